@@ -1,0 +1,7 @@
+//! ds4: a Rust runtime for DeepSeek V4 Flash GGUF files.
+//!
+//! A decode token is recorded once as a [`recorder::Program`]; backends compile it into an
+//! [`backend::Executable`] that is replayed for every token with a new [`recorder::StepParams`].
+
+pub mod gguf;
+pub mod quant;
