@@ -22,20 +22,54 @@ pub enum GgufProblem {
     BadMagic([u8; 4]),
     UnsupportedVersion(u32),
     /// A read of `need` bytes at `offset` runs past the end (`len`).
-    Truncated { what: String, offset: u64, need: u64, len: u64 },
+    Truncated {
+        what: String,
+        offset: u64,
+        need: u64,
+        len: u64,
+    },
     /// A count or size does not fit the file or overflows.
-    Overflow { what: String },
-    UnknownValueType { key: String, ty: u32 },
-    BadStringLength { what: String, len: u64, remaining: u64 },
-    InvalidUtf8 { what: String },
+    Overflow {
+        what: String,
+    },
+    UnknownValueType {
+        key: String,
+        ty: u32,
+    },
+    BadStringLength {
+        what: String,
+        len: u64,
+        remaining: u64,
+    },
+    InvalidUtf8 {
+        what: String,
+    },
     DuplicateKey(String),
     DuplicateTensor(String),
-    TooManyDims { tensor: String, n_dims: u32 },
-    UnknownTensorType { tensor: String, ty: u32 },
-    BadShape { tensor: String, reason: String },
+    TooManyDims {
+        tensor: String,
+        n_dims: u32,
+    },
+    UnknownTensorType {
+        tensor: String,
+        ty: u32,
+    },
+    BadShape {
+        tensor: String,
+        reason: String,
+    },
     BadAlignment(u64),
-    MisalignedTensor { tensor: String, offset: u64, alignment: u64 },
-    TensorOutOfBounds { tensor: String, start: u64, end: u64, len: u64 },
+    MisalignedTensor {
+        tensor: String,
+        offset: u64,
+        alignment: u64,
+    },
+    TensorOutOfBounds {
+        tensor: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
 }
 
 impl fmt::Display for GgufProblem {
@@ -51,10 +85,9 @@ impl fmt::Display for GgufProblem {
             ),
             Overflow { what } => write!(f, "size overflow: {what}"),
             UnknownValueType { key, ty } => write!(f, "metadata key '{key}' has unknown value type {ty}"),
-            BadStringLength { what, len, remaining } => write!(
-                f,
-                "bad string length {len} for {what} (only {remaining} bytes remain)"
-            ),
+            BadStringLength { what, len, remaining } => {
+                write!(f, "bad string length {len} for {what} (only {remaining} bytes remain)")
+            }
             InvalidUtf8 { what } => write!(f, "{what} is not valid UTF-8"),
             DuplicateKey(k) => write!(f, "duplicate metadata key '{k}'"),
             DuplicateTensor(t) => write!(f, "duplicate tensor name '{t}'"),
@@ -64,14 +97,12 @@ impl fmt::Display for GgufProblem {
             UnknownTensorType { tensor, ty } => write!(f, "tensor '{tensor}' has unknown type {ty}"),
             BadShape { tensor, reason } => write!(f, "tensor '{tensor}' has a bad shape: {reason}"),
             BadAlignment(a) => write!(f, "general.alignment {a} is not a power of two"),
-            MisalignedTensor { tensor, offset, alignment } => write!(
-                f,
-                "tensor '{tensor}' data offset {offset} is not a multiple of the alignment {alignment}"
-            ),
-            TensorOutOfBounds { tensor, start, end, len } => write!(
-                f,
-                "tensor '{tensor}' data [{start}, {end}) runs past the end of the file ({len} bytes)"
-            ),
+            MisalignedTensor { tensor, offset, alignment } => {
+                write!(f, "tensor '{tensor}' data offset {offset} is not a multiple of the alignment {alignment}")
+            }
+            TensorOutOfBounds { tensor, start, end, len } => {
+                write!(f, "tensor '{tensor}' data [{start}, {end}) runs past the end of the file ({len} bytes)")
+            }
         }
     }
 }
@@ -370,12 +401,7 @@ impl<'a> Reader<'a> {
     }
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufProblem> {
         if n > self.remaining() {
-            return Err(GgufProblem::Truncated {
-                what: what.to_string(),
-                offset: self.pos,
-                need: n,
-                len: self.len(),
-            });
+            return Err(GgufProblem::Truncated { what: what.to_string(), offset: self.pos, need: n, len: self.len() });
         }
         let s = &self.b[self.pos as usize..(self.pos + n) as usize];
         self.pos += n;
@@ -503,7 +529,8 @@ fn parse_header(r: &mut Reader) -> Result<Header, GgufProblem> {
             dims.push(r.u64(&name)?);
         }
         let raw_ty = r.u32(&name)?;
-        let ty = GgmlType::from_u32(raw_ty).ok_or(GgufProblem::UnknownTensorType { tensor: name.clone(), ty: raw_ty })?;
+        let ty =
+            GgmlType::from_u32(raw_ty).ok_or(GgufProblem::UnknownTensorType { tensor: name.clone(), ty: raw_ty })?;
         let rel = r.u64(&name)?;
         let bytes = tensor_bytes(&name, ty, &dims)?;
         if names.insert(name.clone(), ()).is_some() {
@@ -522,7 +549,9 @@ fn parse_header(r: &mut Reader) -> Result<Header, GgufProblem> {
         let start = data_offset.checked_add(t.rel);
         let end = start.and_then(|s| s.checked_add(t.bytes));
         let (Some(start), Some(end)) = (start, end) else {
-            return Err(GgufProblem::Overflow { what: format!("tensor '{}' offset {} + {} bytes", t.name, t.rel, t.bytes) });
+            return Err(GgufProblem::Overflow {
+                what: format!("tensor '{}' offset {} + {} bytes", t.name, t.rel, t.bytes),
+            });
         };
         if end > len {
             return Err(GgufProblem::TensorOutOfBounds { tensor: t.name, start, end, len });

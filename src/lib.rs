@@ -3,5 +3,15 @@
 //! A decode token is recorded once as a [`recorder::Program`]; backends compile it into an
 //! [`backend::Executable`] that is replayed for every token with a new [`recorder::StepParams`].
 
+pub mod backend;
+#[path = "../backends/mod.rs"]
+pub mod backends;
+pub mod decode;
 pub mod gguf;
+pub mod model;
 pub mod quant;
+pub mod recorder;
+pub mod sample;
+pub mod session;
+pub mod synth;
+pub mod tokenizer;

@@ -134,3 +134,832 @@ impl GgmlType {
         matches!(self, F32 | F16 | Q8_0 | Q2_K | IQ2_XXS | Q4_K | I32)
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Block constants and f16 helpers
+// ---------------------------------------------------------------------------------------------
+
+/// Elements per Q8_0 block.
+pub const QK8_0: usize = 32;
+/// Elements per k-quant super-block (Q2_K, Q4_K, IQ2_XXS, Q8_K).
+pub const QK_K: usize = 256;
+
+const Q8_0_BYTES: usize = 34;
+const Q2_K_BYTES: usize = 84;
+const Q4_K_BYTES: usize = 144;
+const IQ2_XXS_BYTES: usize = 66;
+
+/// Converts IEEE half-precision bits to f32. Exact for every finite value and infinity; a NaN
+/// stays a NaN with its payload shifted into the f32 mantissa (no quieting), as ds4's scalar path does.
+#[inline]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let mag = u32::from(h & 0x7fff);
+    let bits = if mag >= 0x7c00 {
+        0x7f80_0000 | ((mag & 0x03ff) << 13)
+    } else {
+        // Placing the f16 exponent/mantissa in the f32 fields and scaling by 2^112 rebiases the
+        // exponent (127 - 15); subnormal halves land on f32 subnormals, which the scale makes
+        // normal again. Multiplication by a power of two is exact here.
+        (f32::from_bits(mag << 13) * f32::from_bits(0x7780_0000)).to_bits()
+    };
+    f32::from_bits(sign | bits)
+}
+
+/// Converts f32 to IEEE half-precision bits, rounding to nearest with ties to even; overflow
+/// gives infinity, and every NaN becomes the quiet NaN `0x7e00` with the input's sign.
+#[inline]
+pub fn f32_to_f16(x: f32) -> u16 {
+    if x.is_nan() {
+        return ((x.to_bits() >> 16) as u16 & 0x8000) | 0x7e00;
+    }
+    half::f16::from_f32(x).to_bits()
+}
+
+/// Rounds an f32 to the nearest f16 value and back (`f16_to_f32(f32_to_f16(x))`).
+#[inline]
+pub fn round_f16(x: f32) -> f32 {
+    f16_to_f32(f32_to_f16(x))
+}
+
+/// Reads the little-endian f16 at byte `i` of `b` as f32.
+#[inline(always)]
+fn le_f16(b: &[u8], i: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors and dequantization
+// ---------------------------------------------------------------------------------------------
+
+/// Failures of [`dequantize_row`].
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    /// The source slice does not hold exactly one row of the requested length.
+    #[error("{ty:?} row of {n} elements takes {expected} bytes, but the source has {got}")]
+    WrongLength { ty: GgmlType, n: usize, expected: usize, got: usize },
+    /// The destination length is not a whole number of blocks.
+    #[error("{n} elements is not a multiple of the {ty:?} block size {block}")]
+    NotBlockAligned { ty: GgmlType, n: usize, block: usize },
+    /// The engine has no dequantizer for this type.
+    #[error("tensor type {0:?} is not supported by this engine")]
+    Unsupported(GgmlType),
+}
+
+/// Dequantizes one row of `dst.len()` elements of type `ty` from its raw little-endian bytes.
+///
+/// Supported types: F32, F16, Q8_0, Q2_K, IQ2_XXS, Q4_K and I32 (the integer converted to the
+/// nearest f32). `dst.len()` must be a multiple of the block size and `src.len()` must equal
+/// `ty.row_bytes(dst.len())`; otherwise an error is returned and `dst` is left untouched.
+/// The results are bit-identical to the reference dequantizers of gguf-py / ggml.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    if !ty.is_supported() {
+        return Err(QuantError::Unsupported(ty));
+    }
+    let n = dst.len();
+    let block = ty.block_elems();
+    if !n.is_multiple_of(block) {
+        return Err(QuantError::NotBlockAligned { ty, n, block });
+    }
+    let expected = ty.row_bytes(n);
+    if src.len() != expected {
+        return Err(QuantError::WrongLength { ty, n, expected, got: src.len() });
+    }
+    match ty {
+        GgmlType::F32 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        GgmlType::I32 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (b, o) in src.chunks_exact(Q8_0_BYTES).zip(dst.chunks_exact_mut(QK8_0)) {
+                dequant_q8_0_block(b, o);
+            }
+        }
+        GgmlType::Q2_K => {
+            for (b, o) in src.chunks_exact(Q2_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+                dequant_q2_k_block(b, o);
+            }
+        }
+        GgmlType::Q4_K => {
+            for (b, o) in src.chunks_exact(Q4_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+                dequant_q4_k_block(b, o);
+            }
+        }
+        GgmlType::IQ2_XXS => {
+            for (b, o) in src.chunks_exact(IQ2_XXS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+                dequant_iq2_xxs_block(b, o);
+            }
+        }
+        _ => return Err(QuantError::Unsupported(ty)),
+    }
+    Ok(())
+}
+
+/// Q8_0: f16 scale, then 32 signed bytes; value = d · q.
+fn dequant_q8_0_block(b: &[u8], out: &mut [f32]) {
+    let d = le_f16(b, 0);
+    for (o, &q) in out.iter_mut().zip(&b[2..Q8_0_BYTES]) {
+        *o = f32::from(q as i8) * d;
+    }
+}
+
+/// Q2_K: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit quants, f16 d,
+/// f16 dmin. Each 128-element half uses 32 quant bytes at shifts 0, 2, 4, 6; each 16 outputs
+/// have their own scale byte. value = (d·sc)·q − (dmin·m).
+fn dequant_q2_k_block(b: &[u8], out: &mut [f32]) {
+    let scales = &b[0..16];
+    let qs = &b[16..80];
+    let d = le_f16(b, 80);
+    let dmin = le_f16(b, 82);
+    for half in 0..2 {
+        let q = &qs[32 * half..32 * half + 32];
+        for j in 0..4 {
+            let shift = 2 * j;
+            for k in 0..2 {
+                let sc = scales[8 * half + 2 * j + k];
+                let dl = d * f32::from(sc & 0x0f);
+                let ml = dmin * f32::from(sc >> 4);
+                let o = &mut out[128 * half + 32 * j + 16 * k..][..16];
+                for (o, &qq) in o.iter_mut().zip(&q[16 * k..16 * k + 16]) {
+                    *o = dl * f32::from((qq >> shift) & 3) - ml;
+                }
+            }
+        }
+    }
+}
+
+/// Unpacks the 6-bit scale and min of sub-block `j` (0..8) from Q4_K's 12 packed bytes: the
+/// first four use the low 6 bits of bytes j and j+4; the last four take their low nibbles from
+/// byte j+4 and their top two bits from the high bits of bytes j−4 and j.
+#[inline(always)]
+fn q4_k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// Q4_K: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles. Each
+/// 64-element chunk reads 32 bytes: low nibbles are the first 32 outputs, high nibbles the next.
+/// value = (d·sc)·q − (dmin·m).
+fn dequant_q4_k_block(b: &[u8], out: &mut [f32]) {
+    let d = le_f16(b, 0);
+    let dmin = le_f16(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..Q4_K_BYTES];
+    for c in 0..4 {
+        let q = &qs[32 * c..32 * c + 32];
+        let (sc1, m1) = q4_k_scale_min(2 * c, scales);
+        let (sc2, m2) = q4_k_scale_min(2 * c + 1, scales);
+        let (d1, min1) = (d * f32::from(sc1), dmin * f32::from(m1));
+        let (d2, min2) = (d * f32::from(sc2), dmin * f32::from(m2));
+        let o = &mut out[64 * c..64 * c + 64];
+        let (lo, hi) = o.split_at_mut(32);
+        for ((l, h), &qq) in lo.iter_mut().zip(hi.iter_mut()).zip(q) {
+            *l = d1 * f32::from(qq & 0x0f) - min1;
+            *h = d2 * f32::from(qq >> 4) - min2;
+        }
+    }
+}
+
+/// IQ2_XXS: f16 d, then per 32 elements 8 bytes: four grid indices (one byte each, 8 values
+/// per grid row) and a little-endian u32 holding four 7-bit sign indices and a 4-bit scale in
+/// the top bits. value = (d·(0.5 + s)·0.25)·grid · (±1).
+fn dequant_iq2_xxs_block(b: &[u8], out: &mut [f32]) {
+    let d = le_f16(b, 0);
+    let qs = &b[2..IQ2_XXS_BYTES];
+    for ib in 0..QK_K / 32 {
+        let g = &qs[8 * ib..8 * ib + 8];
+        let aux = u32::from_le_bytes([g[4], g[5], g[6], g[7]]);
+        let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[usize::from(g[l])].to_le_bytes();
+            let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize];
+            let o = &mut out[32 * ib + 8 * l..][..8];
+            for (j, (o, &gv)) in o.iter_mut().zip(&grid).enumerate() {
+                let w = db * f32::from(gv);
+                *o = if signs & (1 << j) != 0 { -w } else { w };
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// IQ2_XXS tables
+// ---------------------------------------------------------------------------------------------
+
+/// Sign patterns of IQ2_XXS: index `s` holds its 7 bits as the signs of the first 7 values and
+/// an 8th bit that makes the number of negative values even (bit 7 = parity of `s`).
+pub(crate) const KSIGNS_IQ2XS: [u8; 128] = {
+    let mut t = [0u8; 128];
+    let mut s = 0;
+    while s < 128 {
+        t[s] = s as u8 | (((s as u32).count_ones() as u8 & 1) << 7);
+        s += 1;
+    }
+    t
+};
+
+/// The same sign patterns as ±1 factors per value, for the integer dot product.
+const SIGNS_I8: [[i8; 8]; 128] = {
+    let mut t = [[1i8; 8]; 128];
+    let mut s = 0;
+    while s < 128 {
+        let mut j = 0;
+        while j < 8 {
+            if KSIGNS_IQ2XS[s] & (1 << j) != 0 {
+                t[s][j] = -1;
+            }
+            j += 1;
+        }
+        s += 1;
+    }
+    t
+};
+
+/// The 256-entry IQ2_XXS lattice: each u64 packs 8 unsigned magnitudes (bytes, little-endian
+/// order), each one of 8, 25 or 43. These are format constants of ggml's IQ2_XXS type and
+/// cannot be derived; the values are those of `iq2xxs_grid` in ggml (ggml-common.h), also
+/// found as `iq2xxs_grid` in antirez's ds4.c.
+pub(crate) static IQ2XXS_GRID: [u64; 256] = [
+    0x0808080808080808,
+    0x080808080808082b,
+    0x0808080808081919,
+    0x0808080808082b08,
+    0x0808080808082b2b,
+    0x0808080808190819,
+    0x0808080808191908,
+    0x08080808082b0808,
+    0x08080808082b082b,
+    0x08080808082b2b08,
+    0x08080808082b2b2b,
+    0x0808080819080819,
+    0x0808080819081908,
+    0x0808080819190808,
+    0x0808080819192b08,
+    0x08080808192b0819,
+    0x08080808192b1908,
+    0x080808082b080808,
+    0x080808082b08082b,
+    0x080808082b082b2b,
+    0x080808082b2b082b,
+    0x0808081908080819,
+    0x0808081908081908,
+    0x0808081908190808,
+    0x0808081908191919,
+    0x0808081919080808,
+    0x080808192b081908,
+    0x080808192b192b08,
+    0x0808082b08080808,
+    0x0808082b0808082b,
+    0x0808082b082b082b,
+    0x0808082b2b08082b,
+    0x0808190808080819,
+    0x0808190808081908,
+    0x0808190808190808,
+    0x08081908082b0819,
+    0x08081908082b1908,
+    0x0808190819080808,
+    0x080819081908082b,
+    0x0808190819082b08,
+    0x08081908192b0808,
+    0x080819082b080819,
+    0x080819082b081908,
+    0x080819082b190808,
+    0x080819082b2b1908,
+    0x0808191908080808,
+    0x080819190808082b,
+    0x0808191908082b08,
+    0x08081919082b0808,
+    0x080819191908192b,
+    0x08081919192b2b19,
+    0x080819192b080808,
+    0x080819192b190819,
+    0x0808192b08082b19,
+    0x0808192b08190808,
+    0x0808192b19080808,
+    0x0808192b2b081908,
+    0x0808192b2b2b1908,
+    0x08082b0808080808,
+    0x08082b0808081919,
+    0x08082b0808082b08,
+    0x08082b0808191908,
+    0x08082b08082b2b08,
+    0x08082b0819080819,
+    0x08082b0819081908,
+    0x08082b0819190808,
+    0x08082b081919082b,
+    0x08082b082b082b08,
+    0x08082b1908081908,
+    0x08082b1919080808,
+    0x08082b2b0808082b,
+    0x08082b2b08191908,
+    0x0819080808080819,
+    0x0819080808081908,
+    0x0819080808190808,
+    0x08190808082b0819,
+    0x0819080819080808,
+    0x08190808192b0808,
+    0x081908082b081908,
+    0x081908082b190808,
+    0x081908082b191919,
+    0x0819081908080808,
+    0x0819081908082b08,
+    0x08190819082b0808,
+    0x0819081919190808,
+    0x0819081919192b2b,
+    0x081908192b080808,
+    0x0819082b082b1908,
+    0x0819082b19081919,
+    0x0819190808080808,
+    0x0819190808082b08,
+    0x08191908082b0808,
+    0x08191908082b1919,
+    0x0819190819082b19,
+    0x081919082b080808,
+    0x0819191908192b08,
+    0x08191919192b082b,
+    0x0819192b08080808,
+    0x0819192b0819192b,
+    0x08192b0808080819,
+    0x08192b0808081908,
+    0x08192b0808190808,
+    0x08192b0819080808,
+    0x08192b082b080819,
+    0x08192b1908080808,
+    0x08192b1908081919,
+    0x08192b192b2b0808,
+    0x08192b2b19190819,
+    0x082b080808080808,
+    0x082b08080808082b,
+    0x082b080808082b2b,
+    0x082b080819081908,
+    0x082b0808192b0819,
+    0x082b08082b080808,
+    0x082b08082b08082b,
+    0x082b0819082b2b19,
+    0x082b081919082b08,
+    0x082b082b08080808,
+    0x082b082b0808082b,
+    0x082b190808080819,
+    0x082b190808081908,
+    0x082b190808190808,
+    0x082b190819080808,
+    0x082b19081919192b,
+    0x082b191908080808,
+    0x082b191919080819,
+    0x082b1919192b1908,
+    0x082b192b2b190808,
+    0x082b2b0808082b08,
+    0x082b2b08082b0808,
+    0x082b2b082b191908,
+    0x082b2b2b19081908,
+    0x1908080808080819,
+    0x1908080808081908,
+    0x1908080808190808,
+    0x1908080808192b08,
+    0x19080808082b0819,
+    0x19080808082b1908,
+    0x1908080819080808,
+    0x1908080819082b08,
+    0x190808081919192b,
+    0x19080808192b0808,
+    0x190808082b080819,
+    0x190808082b081908,
+    0x190808082b190808,
+    0x1908081908080808,
+    0x19080819082b0808,
+    0x19080819192b0819,
+    0x190808192b080808,
+    0x190808192b081919,
+    0x1908082b08080819,
+    0x1908082b08190808,
+    0x1908082b19082b08,
+    0x1908082b1919192b,
+    0x1908082b192b2b08,
+    0x1908190808080808,
+    0x1908190808082b08,
+    0x19081908082b0808,
+    0x190819082b080808,
+    0x190819082b192b19,
+    0x190819190819082b,
+    0x19081919082b1908,
+    0x1908192b08080808,
+    0x19082b0808080819,
+    0x19082b0808081908,
+    0x19082b0808190808,
+    0x19082b0819080808,
+    0x19082b0819081919,
+    0x19082b1908080808,
+    0x19082b1919192b08,
+    0x19082b19192b0819,
+    0x19082b192b08082b,
+    0x19082b2b19081919,
+    0x19082b2b2b190808,
+    0x1919080808080808,
+    0x1919080808082b08,
+    0x1919080808190819,
+    0x1919080808192b19,
+    0x19190808082b0808,
+    0x191908082b080808,
+    0x191908082b082b08,
+    0x1919081908081908,
+    0x191908191908082b,
+    0x191908192b2b1908,
+    0x1919082b2b190819,
+    0x191919082b190808,
+    0x191919082b19082b,
+    0x1919191908082b2b,
+    0x1919192b08080819,
+    0x1919192b19191908,
+    0x19192b0808080808,
+    0x19192b0808190819,
+    0x19192b0808192b19,
+    0x19192b08192b1908,
+    0x19192b1919080808,
+    0x19192b2b08082b08,
+    0x192b080808081908,
+    0x192b080808190808,
+    0x192b080819080808,
+    0x192b0808192b2b08,
+    0x192b081908080808,
+    0x192b081919191919,
+    0x192b082b08192b08,
+    0x192b082b192b0808,
+    0x192b190808080808,
+    0x192b190808081919,
+    0x192b191908190808,
+    0x192b19190819082b,
+    0x192b19192b081908,
+    0x192b2b081908082b,
+    0x2b08080808080808,
+    0x2b0808080808082b,
+    0x2b08080808082b2b,
+    0x2b08080819080819,
+    0x2b0808082b08082b,
+    0x2b08081908081908,
+    0x2b08081908192b08,
+    0x2b08081919080808,
+    0x2b08082b08190819,
+    0x2b08190808080819,
+    0x2b08190808081908,
+    0x2b08190808190808,
+    0x2b08190808191919,
+    0x2b08190819080808,
+    0x2b081908192b0808,
+    0x2b08191908080808,
+    0x2b0819191908192b,
+    0x2b0819192b191908,
+    0x2b08192b08082b19,
+    0x2b08192b19080808,
+    0x2b08192b192b0808,
+    0x2b082b080808082b,
+    0x2b082b1908081908,
+    0x2b082b2b08190819,
+    0x2b19080808081908,
+    0x2b19080808190808,
+    0x2b190808082b1908,
+    0x2b19080819080808,
+    0x2b1908082b2b0819,
+    0x2b1908190819192b,
+    0x2b1908192b080808,
+    0x2b19082b19081919,
+    0x2b19190808080808,
+    0x2b191908082b082b,
+    0x2b19190819081908,
+    0x2b19191919190819,
+    0x2b192b082b080819,
+    0x2b192b19082b0808,
+    0x2b2b08080808082b,
+    0x2b2b080819190808,
+    0x2b2b08082b081919,
+    0x2b2b081908082b19,
+    0x2b2b082b08080808,
+    0x2b2b190808192b08,
+    0x2b2b2b0819190808,
+    0x2b2b2b1908081908,
+];
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantizers
+// ---------------------------------------------------------------------------------------------
+
+/// Quantizes an activation into Q8_0 form: one f32 scale per 32 values and signed bytes.
+///
+/// Per block: `d = amax / 127`, `id = 1/d` (0 when `d == 0`), `q = clamp(round_ties_even(x·id),
+/// −128, 127)`. `x.len()` should be a multiple of 32; a shorter final block is quantized on its
+/// own and its unused `qs` entries are zeroed (as ds4 does). Preconditions: `qs.len()` equals
+/// the padded length (`x.len()` rounded up to 32) and `d.len()` the number of blocks; extra
+/// input beyond what the outputs can hold is ignored (checked with `debug_assert!`).
+pub fn quantize_q8_0(x: &[f32], qs: &mut [i8], d: &mut [f32]) {
+    let blocks = x.len().div_ceil(QK8_0);
+    debug_assert!(qs.len() >= blocks * QK8_0 && d.len() >= blocks);
+    for ((xb, qb), db) in x.chunks(QK8_0).zip(qs.chunks_mut(QK8_0)).zip(d.iter_mut()) {
+        let amax = xb.iter().fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+        let scale = amax / 127.0;
+        let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        *db = scale;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = ((v * id).round_ties_even() as i32).clamp(-128, 127) as i8;
+        }
+        for q in qb.iter_mut().skip(xb.len()) {
+            *q = 0;
+        }
+    }
+}
+
+/// One Q8_K activation block: 256 signed bytes with an f32 scale and the sums of each 16 bytes.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ8K {
+    /// Scale: the value of `qs[i]` is `d · qs[i]`.
+    pub d: f32,
+    /// Quantized values.
+    pub qs: [i8; QK_K],
+    /// `bsums[j]` = sum of `qs[16j..16j+16]`.
+    pub bsums: [i16; QK_K / 16],
+}
+
+impl Default for BlockQ8K {
+    fn default() -> Self {
+        BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] }
+    }
+}
+
+/// Quantizes an activation into Q8_K blocks, following ds4's rule.
+///
+/// Per block: `max` is the element of largest magnitude (the first one on ties),
+/// `iscale = −127 / max`, `q = clamp(round_ties_even(iscale·x), −128, 127)`, `d = 1 / iscale`,
+/// so the max element maps to −127 and `d` has the opposite sign of `max`. An all-zero block
+/// gets `d = 0` and zero quants. Precondition: `x.len() == out.len() * 256` (checked with
+/// `debug_assert!`; otherwise only whole blocks that fit both are written).
+pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    debug_assert_eq!(x.len(), out.len() * QK_K);
+    for (xb, y) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let mut amax = 0.0f32;
+        let mut max = 0.0f32;
+        for &v in xb {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *y = BlockQ8K::default();
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in y.qs.iter_mut().zip(xb) {
+            *q = ((iscale * v).round_ties_even() as i32).clamp(-128, 127) as i8;
+        }
+        for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
+            *s = q.iter().map(|&v| i16::from(v)).sum();
+        }
+        y.d = 1.0 / iscale;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products
+// ---------------------------------------------------------------------------------------------
+
+/// Dot product of one Q8_0 weight row (raw blocks) with a Q8_0-quantized activation from
+/// [`quantize_q8_0`]: per block `acc += (f16(d_w)·d_x)·Σ w·x` in f32, in block order.
+///
+/// Preconditions (checked with `debug_assert!`): `row.len()` is a multiple of 34 and `qs`/`d`
+/// cover at least `row.len() / 34` blocks. Only whole blocks present in all inputs are used.
+pub fn dot_q8_0(row: &[u8], qs: &[i8], d: &[f32]) -> f32 {
+    let blocks = row.len() / Q8_0_BYTES;
+    debug_assert_eq!(row.len() % Q8_0_BYTES, 0);
+    debug_assert!(qs.len() >= blocks * QK8_0 && d.len() >= blocks);
+    let mut acc = 0.0f32;
+    for ((b, xq), &dx) in row.chunks_exact(Q8_0_BYTES).zip(qs.chunks_exact(QK8_0)).zip(d) {
+        let dw = le_f16(b, 0);
+        let isum: i32 = b[2..Q8_0_BYTES].iter().zip(xq).map(|(&w, &x)| i32::from(w as i8) * i32::from(x)).sum();
+        acc += dw * dx * isum as f32;
+    }
+    acc
+}
+
+/// Dot product of an F16 weight row (raw little-endian bytes) with f32 values, accumulated
+/// sequentially in f32. Precondition: `row.len() == 2 * x.len()` (checked with `debug_assert!`;
+/// otherwise the shorter length is used).
+pub fn dot_f16_f32(row: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(row.len(), 2 * x.len());
+    let mut acc = 0.0f32;
+    for (c, &xi) in row.chunks_exact(2).zip(x) {
+        acc += f16_to_f32(u16::from_le_bytes([c[0], c[1]])) * xi;
+    }
+    acc
+}
+
+/// Dot product of an F32 weight row (raw little-endian bytes) with f32 values, accumulated in
+/// f64 and rounded to f32 at the end. Precondition: `row.len() == 4 * x.len()` (checked with
+/// `debug_assert!`; otherwise the shorter length is used).
+pub fn dot_f32_f32(row: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(row.len(), 4 * x.len());
+    let mut acc = 0.0f64;
+    for (c, &xi) in row.chunks_exact(4).zip(x) {
+        acc += f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])) * f64::from(xi);
+    }
+    acc as f32
+}
+
+/// Σ ((q2 >> shift) & 3) · q8 over 16 values.
+#[inline(always)]
+fn dot_q2_16(q2: &[u8], q8: &[i8], shift: u32) -> i32 {
+    q2.iter().zip(q8).map(|(&q, &y)| i32::from((q >> shift) & 3) * i32::from(y)).sum()
+}
+
+/// Dot product of one Q2_K weight row (raw blocks) with Q8_K activation blocks.
+///
+/// Per super-block: integer sums per 16 values times their 4-bit scale give `isum`, the mins
+/// times `bsums` give `summs`, and `acc += (d_y·d)·isum − (d_y·dmin)·summs` in f32.
+/// Precondition: `row.len() == 84 * y.len()` (checked with `debug_assert!`; otherwise only
+/// blocks present in both are used).
+pub fn dot_q2_k_q8_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(row.len(), Q2_K_BYTES * y.len());
+    let mut sumf = 0.0f32;
+    for (b, y) in row.chunks_exact(Q2_K_BYTES).zip(y) {
+        let sc = &b[0..16];
+        let qs = &b[16..80];
+        let summs: i32 = sc.iter().zip(&y.bsums).map(|(&s, &bs)| i32::from(s >> 4) * i32::from(bs)).sum();
+        let dall = y.d * le_f16(b, 80);
+        let dmin = y.d * le_f16(b, 82);
+        let mut isum = 0i32;
+        for half in 0..2 {
+            let q2 = &qs[32 * half..32 * half + 32];
+            for j in 0..4 {
+                let shift = 2 * j as u32;
+                let q8 = &y.qs[128 * half + 32 * j..][..32];
+                let lo = dot_q2_16(&q2[..16], &q8[..16], shift);
+                let hi = dot_q2_16(&q2[16..], &q8[16..], shift);
+                isum += i32::from(sc[8 * half + 2 * j] & 0x0f) * lo;
+                isum += i32::from(sc[8 * half + 2 * j + 1] & 0x0f) * hi;
+            }
+        }
+        sumf += dall * isum as f32 - dmin * summs as f32;
+    }
+    sumf
+}
+
+/// Dot product of one Q4_K weight row (raw blocks) with Q8_K activation blocks.
+///
+/// Per super-block: integer sums per 32 values times their 6-bit scale give `isum`, the 6-bit
+/// mins times the pairwise `bsums` give `summs`, and `acc += (d_y·d)·isum − (d_y·dmin)·summs`
+/// in f32. Precondition: `row.len() == 144 * y.len()` (checked with `debug_assert!`; otherwise
+/// only blocks present in both are used).
+pub fn dot_q4_k_q8_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(row.len(), Q4_K_BYTES * y.len());
+    let mut sumf = 0.0f32;
+    for (b, y) in row.chunks_exact(Q4_K_BYTES).zip(y) {
+        let d = y.d * le_f16(b, 0);
+        let dmin = y.d * le_f16(b, 2);
+        let scales = &b[4..16];
+        let qs = &b[16..Q4_K_BYTES];
+        let mut isum = 0i32;
+        let mut summs = 0i32;
+        for c in 0..4 {
+            let q4 = &qs[32 * c..32 * c + 32];
+            let q8 = &y.qs[64 * c..64 * c + 64];
+            let (sc1, m1) = q4_k_scale_min(2 * c, scales);
+            let (sc2, m2) = q4_k_scale_min(2 * c + 1, scales);
+            let lo: i32 = q4.iter().zip(&q8[..32]).map(|(&q, &v)| i32::from(q & 0x0f) * i32::from(v)).sum();
+            let hi: i32 = q4.iter().zip(&q8[32..]).map(|(&q, &v)| i32::from(q >> 4) * i32::from(v)).sum();
+            isum += i32::from(sc1) * lo + i32::from(sc2) * hi;
+            let bs = &y.bsums[4 * c..4 * c + 4];
+            summs += i32::from(m1) * (i32::from(bs[0]) + i32::from(bs[1]));
+            summs += i32::from(m2) * (i32::from(bs[2]) + i32::from(bs[3]));
+        }
+        sumf += d * isum as f32 - dmin * summs as f32;
+    }
+    sumf
+}
+
+/// Dot product of one IQ2_XXS weight row (raw blocks) with Q8_K activation blocks.
+///
+/// Per 32 values: the signed grid values times the quants summed in integers, times the odd
+/// scale `2s + 1`; per super-block `acc += (f16(d)·d_y)·Σ` in f32; the result is `0.125·acc`.
+/// Precondition: `row.len() == 66 * y.len()` (checked with `debug_assert!`; otherwise only
+/// blocks present in both are used).
+pub fn dot_iq2_xxs_q8_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(row.len(), IQ2_XXS_BYTES * y.len());
+    let mut sumf = 0.0f32;
+    for (b, y) in row.chunks_exact(IQ2_XXS_BYTES).zip(y) {
+        let d = le_f16(b, 0) * y.d;
+        let qs = &b[2..IQ2_XXS_BYTES];
+        let mut bsum = 0i32;
+        for ib in 0..QK_K / 32 {
+            let g = &qs[8 * ib..8 * ib + 8];
+            let aux = u32::from_le_bytes([g[4], g[5], g[6], g[7]]);
+            let ls = (2 * (aux >> 28) + 1) as i32;
+            let mut sumi = 0i32;
+            for l in 0..4 {
+                let grid = IQ2XXS_GRID[usize::from(g[l])].to_le_bytes();
+                let signs = &SIGNS_I8[((aux >> (7 * l)) & 127) as usize];
+                let q8 = &y.qs[32 * ib + 8 * l..][..8];
+                for j in 0..8 {
+                    sumi += i32::from(grid[j]) * i32::from(signs[j]) * i32::from(q8[j]);
+                }
+            }
+            bsum += sumi * ls;
+        }
+        sumf += d * bsum as f32;
+    }
+    0.125 * sumf
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_to_f32_matches_half_for_every_input() {
+        for h in 0..=u16::MAX {
+            let ours = f16_to_f32(h);
+            let theirs = half::f16::from_bits(h).to_f32();
+            if theirs.is_nan() {
+                assert!(ours.is_nan(), "{h:#06x}");
+                assert_eq!(ours.is_sign_negative(), theirs.is_sign_negative());
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{h:#06x}");
+            }
+        }
+    }
+
+    #[test]
+    fn f32_to_f16_round_trips_and_rounds_to_even() {
+        for h in 0..=u16::MAX {
+            let f = half::f16::from_bits(h).to_f32();
+            if !f.is_nan() {
+                assert_eq!(f32_to_f16(f), h);
+            }
+        }
+        // 1 + 2^-11 lies halfway between 1 and the next half (1 + 2^-10): ties go to even.
+        assert_eq!(f32_to_f16(1.0 + 1.0 / 2048.0), 0x3c00);
+        assert_eq!(f32_to_f16(1.0 + 3.0 / 2048.0), 0x3c02);
+        assert_eq!(f32_to_f16(1.0e6), 0x7c00);
+        assert_eq!(f32_to_f16(f32::NAN), 0x7e00);
+        assert_eq!(f32_to_f16(-f32::NAN), 0xfe00);
+        assert_eq!(round_f16(0.1), half::f16::from_f32(0.1).to_f32());
+    }
+
+    #[test]
+    fn sign_table_has_even_parity_and_known_entries() {
+        for (s, &v) in KSIGNS_IQ2XS.iter().enumerate() {
+            assert_eq!(usize::from(v & 127), s);
+            assert_eq!(v.count_ones() % 2, 0);
+            let neg = SIGNS_I8[s].iter().filter(|&&x| x == -1).count();
+            assert_eq!(neg as u32, v.count_ones());
+        }
+        // Spot values of ggml's ksigns_iq2xs.
+        assert_eq!(KSIGNS_IQ2XS[0], 0);
+        assert_eq!(KSIGNS_IQ2XS[1], 129);
+        assert_eq!(KSIGNS_IQ2XS[3], 3);
+        assert_eq!(KSIGNS_IQ2XS[16], 144);
+        assert_eq!(KSIGNS_IQ2XS[127], 255);
+    }
+
+    #[test]
+    fn grid_values_are_the_three_magnitudes_and_distinct() {
+        for &g in IQ2XXS_GRID.iter() {
+            for b in g.to_le_bytes() {
+                assert!(matches!(b, 0x08 | 0x19 | 0x2b), "{g:#018x}");
+            }
+        }
+        let mut sorted = IQ2XXS_GRID.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 256);
+        // The table is stored sorted ascending, as in ggml.
+        assert!(IQ2XXS_GRID.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn q4_k_scale_unpacking() {
+        // Pack known 6-bit scales/mins with the inverse of the unpacking rule and read them back.
+        let sc: [u8; 8] = [1, 63, 17, 40, 33, 62, 5, 48];
+        let mn: [u8; 8] = [63, 0, 21, 44, 9, 31, 60, 2];
+        let mut p = [0u8; 12];
+        for j in 0..4 {
+            p[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+            p[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+            p[j + 8] = (sc[j + 4] & 0x0f) | ((mn[j + 4] & 0x0f) << 4);
+        }
+        for j in 0..8 {
+            assert_eq!(q4_k_scale_min(j, &p), (sc[j], mn[j]), "sub-block {j}");
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The CPU backend: interprets a [`Program`] op by op. It is the reference the other backends
+//! are checked against, so each op reads like its definition and follows ds4's CPU numerics.
+
+mod ops;
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, BackendError, Executable};
+use crate::model::Model;
+use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
+
+pub struct CpuBackend {
+    pool: Arc<rayon::ThreadPool>,
+}
+
+impl CpuBackend {
+    /// `threads == 0` uses every core.
+    pub fn new(threads: usize) -> Result<Self, BackendError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ds4-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::new("cpu", format!("cannot start worker threads: {e}")))?;
+        Ok(CpuBackend { pool: Arc::new(pool) })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
+        for t in program.weights() {
+            if !t.ty.is_supported() {
+                return Err(BackendError::new("cpu", format!("tensor '{}' has unsupported type {:?}", t.name, t.ty)));
+            }
+        }
+        let bufs = program
+            .buffers()
+            .iter()
+            .map(|d| match d.dtype {
+                DType::F32 => Data::F32(vec![0.0; d.len]),
+                DType::I32 => Data::I32(vec![0; d.len]),
+            })
+            .collect();
+        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs };
+        exe.reset()?;
+        Ok(Box::new(exe))
+    }
+}
+
+/// One buffer's contents.
+pub(crate) enum Data {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+}
+
+pub struct CpuExecutable {
+    program: Arc<Program>,
+    model: Arc<Model>,
+    pool: Arc<rayon::ThreadPool>,
+    bufs: Vec<Data>,
+}
+
+impl Executable for CpuExecutable {
+    fn program(&self) -> &Arc<Program> {
+        &self.program
+    }
+
+    fn step(&mut self, params: &StepParams) -> Result<(), BackendError> {
+        let program = self.program.clone();
+        let mut ctx = ops::Ctx { program: &program, model: &self.model, bufs: &mut self.bufs, p: *params };
+        self.pool.install(|| {
+            for op in program.active_steps(params) {
+                ctx.run(op).map_err(|e| BackendError::new("cpu", format!("{}: {e}", op.name())))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        *out = self.read_buffer(self.program.logits())?;
+        Ok(())
+    }
+
+    fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError> {
+        match self.bufs.get(buf.0 as usize) {
+            Some(Data::F32(v)) => Ok(v.clone()),
+            Some(Data::I32(v)) => Ok(v.iter().map(|&x| x as f32).collect()),
+            None => Err(BackendError::new("cpu", format!("no buffer {}", buf.0))),
+        }
+    }
+
+    fn reset(&mut self) -> Result<(), BackendError> {
+        for (d, b) in self.program.buffers().iter().zip(self.bufs.iter_mut()) {
+            let init = match d.kind {
+                BufKind::State { init } => init,
+                BufKind::Scratch => 0.0,
+            };
+            match b {
+                Data::F32(v) => v.fill(init),
+                Data::I32(v) => v.fill(init as i32),
+            }
+        }
+        Ok(())
+    }
+}

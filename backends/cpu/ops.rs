@@ -1,0 +1,870 @@
+//! One function per op. The arithmetic follows ds4's CPU reference (`ds4.c`): f32 math with
+//! f64 sums of squares in RMS norms, Q8_0 / Q8_K activation quantization before integer dots.
+
+use rayon::prelude::*;
+
+use super::Data;
+use crate::gguf::TensorInfo;
+use crate::model::{Model, RopeParams};
+use crate::quant::{self, BlockQ8K, GgmlType, QK_K};
+use crate::recorder::{Buf, Op, Program, RopePos, StepParams, WeightId};
+
+pub(crate) struct Ctx<'a> {
+    pub program: &'a Program,
+    pub model: &'a Model,
+    pub bufs: &'a mut Vec<Data>,
+    pub p: StepParams,
+}
+
+type R = Result<(), String>;
+
+/// Rows per rayon task in matvecs: enough work per task to amortize scheduling.
+const ROWS_PER_TASK: usize = 16;
+
+impl<'a> Ctx<'a> {
+    fn f(&self, b: Buf) -> &[f32] {
+        match &self.bufs[b.0 as usize] {
+            Data::F32(v) => v,
+            Data::I32(_) => &[],
+        }
+    }
+    fn i(&self, b: Buf) -> &[i32] {
+        match &self.bufs[b.0 as usize] {
+            Data::I32(v) => v,
+            Data::F32(_) => &[],
+        }
+    }
+    fn take(&mut self, b: Buf) -> Vec<f32> {
+        match &mut self.bufs[b.0 as usize] {
+            Data::F32(v) => std::mem::take(v),
+            Data::I32(_) => Vec::new(),
+        }
+    }
+    fn put(&mut self, b: Buf, v: Vec<f32>) {
+        self.bufs[b.0 as usize] = Data::F32(v);
+    }
+    fn take_i(&mut self, b: Buf) -> Vec<i32> {
+        match &mut self.bufs[b.0 as usize] {
+            Data::I32(v) => std::mem::take(v),
+            Data::F32(_) => Vec::new(),
+        }
+    }
+    fn put_i(&mut self, b: Buf, v: Vec<i32>) {
+        self.bufs[b.0 as usize] = Data::I32(v);
+    }
+    fn w(&self, id: WeightId) -> (&'a TensorInfo, &'a [u8]) {
+        let t = self.program.weight(id);
+        (t, self.model.data(t))
+    }
+    /// A small F32/F16 weight vector as f32 values.
+    fn wvec(&self, id: WeightId) -> Result<Vec<f32>, String> {
+        let (t, data) = self.w(id);
+        let mut v = vec![0.0; t.elements() as usize];
+        quant::dequantize_row(t.ty, data, &mut v).map_err(|e| format!("{}: {e}", t.name))?;
+        Ok(v)
+    }
+
+    pub fn run(&mut self, op: &Op) -> R {
+        match *op {
+            Op::EmbedHc { table, out, n_hc } => self.embed_hc(table, out, n_hc),
+            Op::RmsNorm { x, weight, out, n, rows, eps } => self.rms_norm(x, weight, out, n, rows, eps),
+            Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1),
+            Op::MatVecGrouped { w, x, out, groups } => self.mat_vec(w, x, out, groups),
+            Op::HcSplit { mix, scale, base, split, n_hc, iters, eps } => {
+                self.hc_split(mix, scale, base, split, n_hc, iters, eps)
+            }
+            Op::HcWeightedSum { hc, weights, out, n_hc } => self.hc_weighted_sum(hc, weights, out, n_hc),
+            Op::HcPost { block, residual, split, out, n_hc } => self.hc_post(block, residual, split, out, n_hc),
+            Op::HcHeadWeights { pre, scale, base, out, eps } => self.hc_head_weights(pre, scale, base, out, eps),
+            Op::RopeTail { x, n_head, head_dim, n_rot, rope, pos, inverse } => {
+                let pos = match pos {
+                    RopePos::Current => self.p.pos,
+                    RopePos::CompressedRow { ratio } => (self.p.pos + 1).saturating_sub(ratio),
+                };
+                let mut v = self.take(x);
+                for h in 0..n_head as usize {
+                    let head = &mut v[h * head_dim as usize..(h + 1) * head_dim as usize];
+                    rope_tail(&mut head[(head_dim - n_rot) as usize..], pos, &rope, inverse);
+                }
+                self.put(x, v);
+                Ok(())
+            }
+            Op::Fp8RoundTrip { x, head_dim, n_rot } => {
+                let mut v = self.take(x);
+                fp8_round_trip(&mut v[..(head_dim - n_rot) as usize]);
+                self.put(x, v);
+                Ok(())
+            }
+            Op::IndexerQat { x, rows, head_dim } => {
+                let mut v = self.take(x);
+                for r in v.chunks_exact_mut(head_dim as usize).take(rows as usize) {
+                    hadamard128(r);
+                    fp4_round_trip(r);
+                }
+                self.put(x, v);
+                Ok(())
+            }
+            Op::StoreRaw { kv, cache, row_dim, raw_cap } => {
+                let row = (self.p.pos % raw_cap) as usize;
+                self.store_row(kv, cache, row, row_dim as usize)
+            }
+            Op::CompressorStore { kv, score, ape, state_kv, state_score, width, ratio } => {
+                self.compressor_store(kv, score, ape, state_kv, state_score, width as usize, ratio)
+            }
+            Op::CompressorPool { state_kv, state_score, out, head_dim, ratio } => {
+                let mut o = self.take(out);
+                compressor_pool(&mut o, self.f(state_kv), self.f(state_score), head_dim as usize, ratio as usize);
+                self.put(out, o);
+                Ok(())
+            }
+            Op::CompressorShift { state_kv, state_score, width, ratio } => {
+                let n = (ratio * width) as usize;
+                for b in [state_kv, state_score] {
+                    let mut v = self.take(b);
+                    v.copy_within(n..2 * n, 0);
+                    self.put(b, v);
+                }
+                Ok(())
+            }
+            Op::StoreCompRow { row, cache, row_dim, ratio } => {
+                let r = ((self.p.pos + 1) / ratio)
+                    .checked_sub(1)
+                    .ok_or_else(|| format!("no compressed row to store at position {}", self.p.pos))?;
+                self.store_row(row, cache, r as usize, row_dim as usize)
+            }
+            Op::IndexerScores { q, weights, cache, out, n_head, head_dim, scale, rows } => {
+                let n = rows.eval(&self.p) as usize;
+                let hd = head_dim as usize;
+                let mut o = self.take(out);
+                let (qv, wv, cv) = (self.f(q), self.f(weights), self.f(cache));
+                let w: Vec<f32> = wv.iter().map(|&x| x * scale).collect();
+                o[..n].par_iter_mut().enumerate().for_each(|(c, s)| {
+                    let k = &cv[c * hd..(c + 1) * hd];
+                    let mut acc = 0.0f32;
+                    for h in 0..n_head as usize {
+                        let d = dot_f32(k, &qv[h * hd..(h + 1) * hd]);
+                        acc += d.max(0.0) * w[h];
+                    }
+                    *s = acc;
+                });
+                self.put(out, o);
+                Ok(())
+            }
+            Op::IndexerTopK { scores, out, top_k, rows } => {
+                let n = rows.eval(&self.p) as usize;
+                let mut o = self.take_i(out);
+                top_k_ascending(&self.f(scores)[..n], &mut o[..top_k as usize]);
+                self.put_i(out, o);
+                Ok(())
+            }
+            Op::Attention { q, raw, comp, selected, top_k, sinks, out, n_head, head_dim, raw_rows, comp_rows } => {
+                let n_raw = raw_rows.eval(&self.p) as usize;
+                let n_comp = comp_rows.eval(&self.p) as usize;
+                let raw_cap = raw_rows.cap as usize;
+                // Raw rows oldest first: positions pos+1-n_raw ..= pos live at row (p % raw_cap).
+                let first = self.p.pos as usize + 1 - n_raw;
+                let mut rows: Vec<(bool, usize)> = (first..first + n_raw).map(|p| (false, p % raw_cap)).collect();
+                match selected {
+                    Some(sel) if n_comp > top_k as usize => {
+                        for &r in &self.i(sel)[..top_k as usize] {
+                            if r < 0 || r as usize >= n_comp {
+                                return Err(format!("selected compressed row {r} outside 0..{n_comp}"));
+                            }
+                            rows.push((true, r as usize));
+                        }
+                    }
+                    _ => rows.extend((0..n_comp).map(|r| (true, r))),
+                }
+                let sinks = self.wvec(sinks)?;
+                let hd = head_dim as usize;
+                let mut o = self.take(out);
+                let (qv, rv) = (self.f(q), self.f(raw));
+                let cv = comp.map(|c| self.f(c)).unwrap_or(&[]);
+                o.par_chunks_mut(hd).take(n_head as usize).enumerate().for_each(|(h, oh)| {
+                    let kv = |&(is_comp, r): &(bool, usize)| {
+                        if is_comp {
+                            &cv[r * hd..(r + 1) * hd]
+                        } else {
+                            &rv[r * hd..(r + 1) * hd]
+                        }
+                    };
+                    attention_head(oh, &qv[h * hd..(h + 1) * hd], sinks[h], rows.iter().map(kv));
+                });
+                self.put(out, o);
+                Ok(())
+            }
+            Op::RouterSelect { logits, bias, hash, selected, weights, n_used, scale } => {
+                self.router_select(logits, bias, hash, selected, weights, n_used as usize, scale)
+            }
+            Op::MoeExperts { x, selected, weights, gate, up, down, out, clamp } => {
+                self.moe_experts(x, selected, weights, gate, up, down, out, clamp)
+            }
+            Op::SwiGlu { gate, up, out, clamp } => {
+                let mut o = self.take(out);
+                for ((o, &g), &u) in o.iter_mut().zip(self.f(gate)).zip(self.f(up)) {
+                    *o = swiglu(g, u, clamp);
+                }
+                self.put(out, o);
+                Ok(())
+            }
+            Op::Add { a, b, out } => {
+                let mut o = self.take(out);
+                for ((o, &x), &y) in o.iter_mut().zip(self.f(a)).zip(self.f(b)) {
+                    *o = x + y;
+                }
+                self.put(out, o);
+                Ok(())
+            }
+        }
+    }
+
+    fn embed_hc(&mut self, table: WeightId, out: Buf, n_hc: u32) -> R {
+        let (t, data) = self.w(table);
+        let n_embd = t.dim(0) as usize;
+        let token = self.p.token as usize;
+        if token as u64 >= t.dim(1) {
+            return Err(format!("token {token} is outside the embedding table ({} rows)", t.dim(1)));
+        }
+        let rb = t.ty.row_bytes(n_embd);
+        let mut o = self.take(out);
+        quant::dequantize_row(t.ty, &data[token * rb..(token + 1) * rb], &mut o[..n_embd])
+            .map_err(|e| e.to_string())?;
+        for h in 1..n_hc as usize {
+            o.copy_within(0..n_embd, h * n_embd);
+        }
+        self.put(out, o);
+        Ok(())
+    }
+
+    fn rms_norm(&mut self, x: Buf, weight: Option<WeightId>, out: Buf, n: u32, rows: u32, eps: f32) -> R {
+        let w = weight.map(|w| self.wvec(w)).transpose()?;
+        let n = n as usize;
+        let input = if x == out { self.f(x).to_vec() } else { Vec::new() };
+        let mut o = self.take(out);
+        let xs = if x == out { &input[..] } else { self.f(x) };
+        for r in 0..rows as usize {
+            let (xr, or) = (&xs[r * n..(r + 1) * n], &mut o[r * n..(r + 1) * n]);
+            let ss: f64 = xr.iter().map(|&v| v as f64 * v as f64).sum();
+            let scale = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
+            match &w {
+                Some(w) => or.iter_mut().zip(xr).zip(w).for_each(|((o, &v), &g)| *o = v * scale * g),
+                None => or.iter_mut().zip(xr).for_each(|(o, &v)| *o = v * scale),
+            }
+        }
+        self.put(out, o);
+        Ok(())
+    }
+
+    /// Dense matvec; with `groups > 1`, output rows of group g read the g-th slice of `x`.
+    fn mat_vec(&mut self, w: WeightId, x: Buf, out: Buf, groups: u32) -> R {
+        let (t, data) = self.w(w);
+        let in_dim = t.dim(0) as usize;
+        let rows_per_group = t.dim(1) as usize / groups as usize;
+        let rb = t.ty.row_bytes(in_dim);
+        let mut o = self.take(out);
+        let xv = self.f(x);
+        match t.ty {
+            GgmlType::Q8_0 => {
+                // Quantizing per 32-block makes quantizing the whole input equal to quantizing each group.
+                let mut xq = vec![0i8; xv.len()];
+                let mut xd = vec![0f32; xv.len() / 32];
+                quant::quantize_q8_0(xv, &mut xq, &mut xd);
+                o.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
+                    for (k, v) in chunk.iter_mut().enumerate() {
+                        let r = c * ROWS_PER_TASK + k;
+                        let g = r / rows_per_group;
+                        let (xq, xd) = (&xq[g * in_dim..(g + 1) * in_dim], &xd[g * in_dim / 32..(g + 1) * in_dim / 32]);
+                        *v = quant::dot_q8_0(&data[r * rb..(r + 1) * rb], xq, xd);
+                    }
+                });
+            }
+            GgmlType::F16 | GgmlType::F32 => {
+                let dot = if t.ty == GgmlType::F16 { quant::dot_f16_f32 } else { quant::dot_f32_f32 };
+                o.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
+                    for (k, v) in chunk.iter_mut().enumerate() {
+                        let r = c * ROWS_PER_TASK + k;
+                        let g = r / rows_per_group;
+                        *v = dot(&data[r * rb..(r + 1) * rb], &xv[g * in_dim..(g + 1) * in_dim]);
+                    }
+                });
+            }
+            other => {
+                self.put(out, o);
+                return Err(format!("tensor '{}' of type {other:?} is not a dense matrix type", t.name));
+            }
+        }
+        self.put(out, o);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn hc_split(
+        &mut self,
+        mix: Buf,
+        scale: WeightId,
+        base: WeightId,
+        split: Buf,
+        n_hc: u32,
+        iters: u32,
+        eps: f32,
+    ) -> R {
+        let (scale, base) = (self.wvec(scale)?, self.wvec(base)?);
+        let mut o = self.take(split);
+        hc_split_sinkhorn(&mut o, self.f(mix), &scale, &base, n_hc as usize, iters as usize, eps);
+        self.put(split, o);
+        Ok(())
+    }
+
+    fn hc_weighted_sum(&mut self, hc: Buf, weights: Buf, out: Buf, n_hc: u32) -> R {
+        let mut o = self.take(out);
+        let n = o.len();
+        let (x, w) = (self.f(hc), self.f(weights));
+        for (d, v) in o.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for h in 0..n_hc as usize {
+                acc += x[h * n + d] * w[h];
+            }
+            *v = acc;
+        }
+        self.put(out, o);
+        Ok(())
+    }
+
+    fn hc_post(&mut self, block: Buf, residual: Buf, split: Buf, out: Buf, n_hc: u32) -> R {
+        let n_hc = n_hc as usize;
+        let mut o = self.take(out);
+        let (b, res, s) = (self.f(block), self.f(residual), self.f(split));
+        let n = b.len();
+        let (post, comb) = (&s[n_hc..2 * n_hc], &s[2 * n_hc..]);
+        for dst in 0..n_hc {
+            for d in 0..n {
+                let mut acc = b[d] * post[dst];
+                for src in 0..n_hc {
+                    // The combine matrix is addressed as [dst, src] with dst fastest.
+                    acc += comb[dst + src * n_hc] * res[src * n + d];
+                }
+                o[dst * n + d] = acc;
+            }
+        }
+        self.put(out, o);
+        Ok(())
+    }
+
+    fn hc_head_weights(&mut self, pre: Buf, scale: WeightId, base: WeightId, out: Buf, eps: f32) -> R {
+        let (scale, base) = (self.wvec(scale)?, self.wvec(base)?);
+        let mut o = self.take(out);
+        for ((o, &p), &b) in o.iter_mut().zip(self.f(pre)).zip(&base) {
+            *o = sigmoid(p * scale[0] + b) + eps;
+        }
+        self.put(out, o);
+        Ok(())
+    }
+
+    fn store_row(&mut self, src: Buf, cache: Buf, row: usize, dim: usize) -> R {
+        let mut c = self.take(cache);
+        if (row + 1) * dim > c.len() {
+            self.put(cache, c);
+            return Err(format!("row {row} is past the cache capacity ({} rows)", self.f(cache).len() / dim));
+        }
+        for (d, &v) in c[row * dim..(row + 1) * dim].iter_mut().zip(self.f(src)) {
+            *d = quant::round_f16(v);
+        }
+        self.put(cache, c);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn compressor_store(
+        &mut self,
+        kv: Buf,
+        score: Buf,
+        ape: WeightId,
+        state_kv: Buf,
+        state_score: Buf,
+        width: usize,
+        ratio: u32,
+    ) -> R {
+        let pos_mod = (self.p.pos % ratio) as usize;
+        let row = if ratio == 4 { 4 + pos_mod } else { pos_mod };
+        let ape = self.wvec(ape)?;
+        let mut sk = self.take(state_kv);
+        sk[row * width..(row + 1) * width].copy_from_slice(self.f(kv));
+        self.put(state_kv, sk);
+        let mut ss = self.take(state_score);
+        for ((d, &s), &a) in
+            ss[row * width..(row + 1) * width].iter_mut().zip(self.f(score)).zip(&ape[pos_mod * width..])
+        {
+            *d = s + a;
+        }
+        self.put(state_score, ss);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn router_select(
+        &mut self,
+        logits: Buf,
+        bias: Option<WeightId>,
+        hash: Option<WeightId>,
+        selected: Buf,
+        weights: Buf,
+        n_used: usize,
+        scale: f32,
+    ) -> R {
+        let probs: Vec<f32> = self.f(logits).iter().map(|&l| softplus(l).sqrt()).collect();
+        let mut sel = self.take_i(selected);
+        match hash {
+            Some(h) => {
+                let (t, data) = self.w(h);
+                let token = self.p.token as u64;
+                if token >= t.dim(1) {
+                    self.put_i(selected, sel);
+                    return Err(format!("token {token} is outside the hash routing table ({} rows)", t.dim(1)));
+                }
+                let row = &data[(token as usize * n_used) * 4..(token as usize + 1) * n_used * 4];
+                for (s, c) in sel.iter_mut().zip(row.chunks_exact(4)) {
+                    *s = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            None => {
+                let mut choice = probs.clone();
+                if let Some(b) = bias {
+                    for (c, b) in choice.iter_mut().zip(self.wvec(b)?) {
+                        *c += b;
+                    }
+                }
+                top_k_desc(&choice, &mut sel);
+            }
+        }
+        let mut wv = self.take(weights);
+        let mut sum = 0.0f32;
+        for (w, &s) in wv.iter_mut().zip(&sel) {
+            *w = probs.get(s as usize).copied().unwrap_or(0.0);
+            sum += *w;
+        }
+        let sum = sum.max(6.103515625e-5);
+        for w in wv.iter_mut() {
+            *w = *w / sum * scale;
+        }
+        self.put_i(selected, sel);
+        self.put(weights, wv);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts(
+        &mut self,
+        x: Buf,
+        selected: Buf,
+        weights: Buf,
+        gate: WeightId,
+        up: WeightId,
+        down: WeightId,
+        out: Buf,
+        clamp: f32,
+    ) -> R {
+        let ((gt, gd), (ut, ud), (dt, dd)) = (self.w(gate), self.w(up), self.w(down));
+        let (in_dim, ff, n_expert) = (gt.dim(0) as usize, gt.dim(1) as usize, gt.dim(2) as usize);
+        let out_dim = dt.dim(1) as usize;
+        let sel: Vec<usize> = self.i(selected).iter().map(|&e| e as usize).collect();
+        if let Some(&bad) = sel.iter().find(|&&e| e >= n_expert) {
+            return Err(format!("expert id {bad} outside 0..{n_expert}"));
+        }
+        let ew = self.f(weights).to_vec();
+        let mut xq = vec![BlockQ8K::default(); in_dim / QK_K];
+        quant::quantize_q8_k(self.f(x), &mut xq);
+
+        let (g_rb, u_rb, d_rb) = (gt.ty.row_bytes(in_dim), ut.ty.row_bytes(in_dim), dt.ty.row_bytes(ff));
+        let (gdot, udot, ddot) = (expert_dot(gt.ty)?, expert_dot(ut.ty)?, expert_dot(dt.ty)?);
+        let mut mid = vec![0f32; sel.len() * ff];
+        mid.par_chunks_mut(ff).enumerate().for_each(|(i, m)| {
+            let (g_base, u_base) = (sel[i] * ff * g_rb, sel[i] * ff * u_rb);
+            m.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
+                for (k, v) in chunk.iter_mut().enumerate() {
+                    let r = c * ROWS_PER_TASK + k;
+                    let g = gdot(&gd[g_base + r * g_rb..g_base + (r + 1) * g_rb], &xq);
+                    let u = udot(&ud[u_base + r * u_rb..u_base + (r + 1) * u_rb], &xq);
+                    *v = swiglu(g, u, clamp) * ew[i];
+                }
+            });
+        });
+        let mut midq = vec![BlockQ8K::default(); sel.len() * ff / QK_K];
+        for (m, q) in mid.chunks_exact(ff).zip(midq.chunks_exact_mut(ff / QK_K)) {
+            quant::quantize_q8_k(m, q);
+        }
+        let mut o = self.take(out);
+        o.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
+            for (k, v) in chunk.iter_mut().enumerate() {
+                let r = c * ROWS_PER_TASK + k;
+                let mut acc = 0.0f32;
+                for (i, &e) in sel.iter().enumerate() {
+                    let base = (e * out_dim + r) * d_rb;
+                    acc += ddot(&dd[base..base + d_rb], &midq[i * ff / QK_K..(i + 1) * ff / QK_K]);
+                }
+                *v = acc;
+            }
+        });
+        self.put(out, o);
+        Ok(())
+    }
+}
+
+type ExpertDot = fn(&[u8], &[BlockQ8K]) -> f32;
+
+fn expert_dot(ty: GgmlType) -> Result<ExpertDot, String> {
+    match ty {
+        GgmlType::IQ2_XXS => Ok(quant::dot_iq2_xxs_q8_k),
+        GgmlType::Q2_K => Ok(quant::dot_q2_k_q8_k),
+        GgmlType::Q4_K => Ok(quant::dot_q4_k_q8_k),
+        other => Err(format!("{other:?} is not a routed-expert type")),
+    }
+}
+
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |acc, (&x, &y)| acc + x * y)
+}
+
+fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else if x < -20.0 {
+        x.exp()
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// SwiGLU with ds4's clamp: the gate only from above, the up both ways.
+fn swiglu(g: f32, u: f32, clamp: f32) -> f32 {
+    let (g, u) = if clamp > 1e-6 { (g.min(clamp), u.clamp(-clamp, clamp)) } else { (g, u) };
+    silu(g) * u
+}
+
+/// `out = [pre | post | comb]`: sigmoid gates and a Sinkhorn-normalized combine matrix.
+fn hc_split_sinkhorn(out: &mut [f32], mix: &[f32], scale: &[f32], base: &[f32], n: usize, iters: usize, eps: f32) {
+    for i in 0..n {
+        out[i] = 1.0 / (1.0 + (-(mix[i] * scale[0] + base[i])).exp()) + eps;
+        out[n + i] = 2.0 / (1.0 + (-(mix[n + i] * scale[1] + base[n + i])).exp());
+    }
+    // c[src + dst*n]: softmax over src for each dst, plus eps.
+    let mut c = vec![0f32; n * n];
+    for dst in 0..n {
+        let row = &mut c[dst * n..(dst + 1) * n];
+        for (src, v) in row.iter_mut().enumerate() {
+            let k = 2 * n + src + dst * n;
+            *v = mix[k] * scale[2] + base[k];
+        }
+        let max = row.iter().fold(-1.0e30f32, |m, &v| m.max(v));
+        let mut sum = 0.0f32;
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        for v in row.iter_mut() {
+            *v = *v * inv + eps;
+        }
+    }
+    let normalize_src = |c: &mut [f32]| {
+        for src in 0..n {
+            let sum: f32 = (0..n).fold(0.0, |s, dst| s + c[src + dst * n]);
+            let inv = 1.0 / (sum + eps);
+            for dst in 0..n {
+                c[src + dst * n] *= inv;
+            }
+        }
+    };
+    let normalize_dst = |c: &mut [f32]| {
+        for dst in 0..n {
+            let sum: f32 = (0..n).fold(0.0, |s, src| s + c[src + dst * n]);
+            let inv = 1.0 / (sum + eps);
+            for src in 0..n {
+                c[src + dst * n] *= inv;
+            }
+        }
+    };
+    normalize_src(&mut c);
+    for _ in 1..iters {
+        normalize_dst(&mut c);
+        normalize_src(&mut c);
+    }
+    out[2 * n..2 * n + n * n].copy_from_slice(&c);
+}
+
+/// RoPE on one head's tail (`x.len() == n_rot`), with ds4's YaRN handling.
+fn rope_tail(x: &mut [f32], pos: u32, r: &RopeParams, inverse: bool) {
+    let n_rot = x.len();
+    let theta_scale = r.freq_base.powf(-2.0 / n_rot as f32);
+    let sin_sign = if inverse { -1.0 } else { 1.0 };
+    let mut corr = [0.0f32; 2];
+    if r.ext_factor != 0.0 {
+        let corr_dim = |beta: f32| {
+            n_rot as f32 * (r.n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * r.freq_base.ln())
+        };
+        corr[0] = corr_dim(r.beta_fast).floor().max(0.0);
+        corr[1] = corr_dim(r.beta_slow).ceil().min(n_rot as f32 - 1.0);
+    }
+    let mut theta_extrap = pos as f32;
+    for i in (0..n_rot).step_by(2) {
+        let theta_interp = r.freq_scale * theta_extrap;
+        let mut theta = theta_interp;
+        let mut mscale = r.attn_factor;
+        if r.ext_factor != 0.0 {
+            let y = ((i / 2) as f32 - corr[0]) / (corr[1] - corr[0]).max(0.001);
+            let ramp = (1.0 - y.clamp(0.0, 1.0)) * r.ext_factor;
+            theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
+            mscale *= 1.0 + 0.1 * (1.0 / r.freq_scale).ln();
+        }
+        let c = theta.cos() * mscale;
+        let s = sin_sign * theta.sin() * mscale;
+        let (x0, x1) = (x[i], x[i + 1]);
+        x[i] = x0 * c - x1 * s;
+        x[i + 1] = x0 * s + x1 * c;
+        theta_extrap *= theta_scale;
+    }
+}
+
+/// The E4M3 value with code `i` (0..=126), sign excluded.
+fn e4m3_value(i: i32) -> f32 {
+    let exp = (i >> 3) & 15;
+    let mant = (i & 7) as f32;
+    if exp == 0 {
+        mant * 0.001953125
+    } else {
+        (1.0 + mant * 0.125) * (2.0f32).powi(exp - 7)
+    }
+}
+
+/// Nearest E4M3 value (ties to the even code), saturating at 448.
+fn e4m3_round(x: f32) -> f32 {
+    let sign = if x < 0.0 { -1.0 } else { 1.0 };
+    let ax = x.abs().min(448.0);
+    let (mut lo, mut hi) = (0i32, 126i32);
+    while lo < hi {
+        let mid = (lo + hi + 1) >> 1;
+        if e4m3_value(mid) <= ax {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let mut best = lo;
+    if best < 126 {
+        let (d0, d1) = ((ax - e4m3_value(best)).abs(), (ax - e4m3_value(best + 1)).abs());
+        if d1 < d0 || (d1 == d0 && (best + 1) % 2 == 0 && best % 2 != 0) {
+            best += 1;
+        }
+    }
+    sign * e4m3_value(best)
+}
+
+/// fp8 E4M3 round trip per 64 values with a power-of-two scale.
+fn fp8_round_trip(x: &mut [f32]) {
+    for block in x.chunks_exact_mut(64) {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0e-4);
+        let scale = (2.0f32).powi((amax / 448.0).log2().ceil() as i32);
+        for v in block.iter_mut() {
+            *v = e4m3_round((*v / scale).clamp(-448.0, 448.0)) * scale;
+        }
+    }
+}
+
+const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Nearest E2M1 value (ties to the even code), saturating at 6.
+fn e2m1_round(x: f32) -> f32 {
+    let sign = if x < 0.0 { -1.0 } else { 1.0 };
+    let ax = x.abs().min(6.0);
+    let mut best = 0usize;
+    let mut best_diff = ax;
+    for (i, &v) in E2M1.iter().enumerate().skip(1) {
+        let d = (ax - v).abs();
+        if d < best_diff || (d == best_diff && i % 2 == 0 && best % 2 != 0) {
+            best = i;
+            best_diff = d;
+        }
+    }
+    sign * E2M1[best]
+}
+
+/// FP4 E2M1 round trip per 32 values with a power-of-two scale.
+fn fp4_round_trip(x: &mut [f32]) {
+    for block in x.chunks_exact_mut(32) {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(7.052966104933725e-38);
+        let scale = (2.0f32).powi((amax / 6.0).log2().ceil() as i32);
+        for v in block.iter_mut() {
+            *v = e2m1_round((*v / scale).clamp(-6.0, 6.0)) * scale;
+        }
+    }
+}
+
+/// Orthonormal Walsh-Hadamard transform of 128 values.
+fn hadamard128(x: &mut [f32]) {
+    let mut stride = 1;
+    while stride < 128 {
+        for base in (0..128).step_by(2 * stride) {
+            for i in base..base + stride {
+                let (a, b) = (x[i], x[i + stride]);
+                x[i] = a + b;
+                x[i + stride] = a - b;
+            }
+        }
+        stride <<= 1;
+    }
+    for v in x.iter_mut().take(128) {
+        *v *= std::f32::consts::FRAC_1_SQRT_2 / 8.0; // 1/sqrt(128)
+    }
+}
+
+/// Softmax-pools the compressor window per dim. Ratio 4 mixes the previous lane's first half
+/// (rows 0..4) with the current lane's second half (rows 4..8).
+fn compressor_pool(out: &mut [f32], kv: &[f32], score: &[f32], head_dim: usize, ratio: usize) {
+    let width = if ratio == 4 { 2 * head_dim } else { head_dim };
+    let lanes: Vec<usize> = if ratio == 4 {
+        (0..4).map(|r| r * width).chain((4..8).map(|r| r * width + head_dim)).collect()
+    } else {
+        (0..ratio).map(|r| r * width).collect()
+    };
+    for (j, o) in out.iter_mut().enumerate() {
+        let max = lanes.iter().fold(-1.0e30f32, |m, &b| m.max(score[b + j]));
+        if max <= -1.0e30 * 0.5 {
+            *o = 0.0;
+            continue;
+        }
+        let (mut denom, mut sum) = (0.0f32, 0.0f32);
+        if ratio == 4 {
+            // ds4 interleaves the two lanes' terms in its sums.
+            for r in 0..4 {
+                let (bp, bc) = (lanes[r], lanes[4 + r]);
+                let (wp, wc) = ((score[bp + j] - max).exp(), (score[bc + j] - max).exp());
+                denom += wp + wc;
+                sum += wp * kv[bp + j];
+                sum += wc * kv[bc + j];
+            }
+        } else {
+            for &b in &lanes {
+                let w = (score[b + j] - max).exp();
+                denom += w;
+                sum += w * kv[b + j];
+            }
+        }
+        *o = if denom > 0.0 { sum / denom } else { 0.0 };
+    }
+}
+
+/// One head of sink attention over `rows` (K == V).
+fn attention_head<'r>(out: &mut [f32], q: &[f32], sink: f32, rows: impl Iterator<Item = &'r [f32]> + Clone) {
+    let kq_scale = 1.0 / (q.len() as f32).sqrt();
+    let scores: Vec<f32> = rows.clone().map(|k| dot_f32(q, k) * kq_scale).collect();
+    let max = scores.iter().fold(sink, |m, &s| m.max(s));
+    out.fill(0.0);
+    let mut denom = (sink - max).exp();
+    for (k, &s) in rows.zip(&scores) {
+        let w = (s - max).exp();
+        denom += w;
+        for (o, &v) in out.iter_mut().zip(k) {
+            *o += w * v;
+        }
+    }
+    let inv = 1.0 / denom;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+/// The indices of the `out.len()` largest scores, best first (ties to the lower index).
+fn top_k_desc(score: &[f32], out: &mut [i32]) {
+    out.fill(-1);
+    for (i, &s) in score.iter().enumerate() {
+        for j in 0..out.len() {
+            if out[j] < 0 || s > score[out[j] as usize] {
+                out.copy_within(j..out.len() - 1, j + 1);
+                out[j] = i as i32;
+                break;
+            }
+        }
+    }
+}
+
+/// The `out.len()` best rows as ds4's indexer picks them, written in ascending row order.
+fn top_k_ascending(score: &[f32], out: &mut [i32]) {
+    let mut taken = vec![false; score.len()];
+    for _ in 0..out.len().min(score.len()) {
+        let mut best = 0usize;
+        let mut best_score = -1.0e30f32;
+        for (c, &s) in score.iter().enumerate() {
+            if !taken[c] && s > best_score {
+                best = c;
+                best_score = s;
+            }
+        }
+        taken[best] = true;
+    }
+    let picked: Vec<i32> = taken.iter().enumerate().filter(|(_, &t)| t).map(|(i, _)| i as i32).collect();
+    out.fill(0);
+    out[..picked.len()].copy_from_slice(&picked);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_rounds_to_representable_values() {
+        assert_eq!(e4m3_round(448.0), 448.0);
+        assert_eq!(e4m3_round(1000.0), 448.0);
+        assert_eq!(e4m3_round(-1.0), -1.0);
+        // 1.0625 lies halfway between 1.0 (code 56, even) and 1.125 (code 57): ties to even.
+        assert_eq!(e4m3_round(1.0625), 1.0);
+        assert_eq!(e4m3_round(1.1875), 1.25);
+        // Smallest subnormal is 2^-9.
+        assert_eq!(e4m3_round(0.001953125), 0.001953125);
+    }
+
+    #[test]
+    fn hadamard_is_orthonormal() {
+        let mut x = vec![0f32; 128];
+        x[3] = 1.0;
+        hadamard128(&mut x);
+        let norm: f32 = x.iter().map(|v| v * v).sum();
+        assert!((norm - 1.0).abs() < 1e-5);
+        hadamard128(&mut x);
+        assert!((x[3] - 1.0).abs() < 1e-5 && x.iter().enumerate().all(|(i, v)| i == 3 || v.abs() < 1e-5));
+    }
+
+    #[test]
+    fn sinkhorn_is_doubly_stochastic() {
+        let mix: Vec<f32> = (0..24).map(|i| ((i * 7) % 11) as f32 * 0.3 - 1.0).collect();
+        let mut out = vec![0f32; 24];
+        hc_split_sinkhorn(&mut out, &mix, &[1.0, 1.0, 1.0], &[0.0; 24], 4, 20, 1e-6);
+        let c = &out[8..];
+        for k in 0..4 {
+            let rows: f32 = (0..4).map(|j| c[k + j * 4]).sum();
+            let cols: f32 = (0..4).map(|j| c[j + k * 4]).sum();
+            assert!((rows - 1.0).abs() < 1e-3 && (cols - 1.0).abs() < 1e-3, "{rows} {cols}");
+        }
+    }
+
+    #[test]
+    fn top_k_picks_best_and_sorts_ascending() {
+        let mut out = [0i32; 3];
+        top_k_ascending(&[0.1, 0.9, 0.5, 0.9, 0.2], &mut out);
+        assert_eq!(out, [1, 2, 3]);
+        let mut d = [0i32; 2];
+        top_k_desc(&[0.1, 0.9, 0.5, 0.9], &mut d);
+        assert_eq!(d, [1, 3]);
+    }
+}

@@ -1,0 +1,14 @@
+//! The wgpu backend (WGSL compute shaders). Its shaders are not written yet: asking for it is an
+//! error that says so, rather than a silent fallback.
+
+use crate::backend::{Backend, BackendError, BackendOptions};
+
+#[cfg(feature = "wgpu")]
+pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
+    Err(BackendError::new("wgpu", "the WGSL kernels are not implemented yet in this version of ds4; use --backend cpu"))
+}
+
+#[cfg(not(feature = "wgpu"))]
+pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
+    Err(BackendError::new("wgpu", "ds4 was built without the `wgpu` feature"))
+}

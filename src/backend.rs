@@ -1,0 +1,96 @@
+//! The `Backend` and `Executable` traits, and backend selection.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::model::Model;
+use crate::recorder::{Buf, Program, StepParams};
+
+/// A backend failure. The message says what failed and, where it can, why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{backend} backend: {msg}")]
+pub struct BackendError {
+    pub backend: &'static str,
+    pub msg: String,
+}
+
+impl BackendError {
+    pub fn new(backend: &'static str, msg: impl Into<String>) -> Self {
+        BackendError { backend, msg: msg.into() }
+    }
+}
+
+/// Compiles a recorded program into something that runs it.
+pub trait Backend {
+    fn name(&self) -> &'static str;
+    /// Prepares everything once: buffers, pipelines or kernels, uploaded weights.
+    fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError>;
+}
+
+/// A compiled program, replayed once per token.
+pub trait Executable {
+    /// The program this executable runs; it never changes after `compile`.
+    fn program(&self) -> &Arc<Program>;
+    /// Runs one token with these parameters.
+    fn step(&mut self, params: &StepParams) -> Result<(), BackendError>;
+    /// Copies the logits of the last step into `out` (resized to the vocabulary).
+    fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError>;
+    /// Reads any buffer as f32 values (I32 buffers are converted). For tests and diagnostics.
+    fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError>;
+    /// Refills every state buffer with its initial value (a fresh context).
+    fn reset(&mut self) -> Result<(), BackendError>;
+}
+
+/// The backends a user can ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Wgpu,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(BackendKind::Cpu),
+            "wgpu" => Ok(BackendKind::Wgpu),
+            "cuda" => Ok(BackendKind::Cuda),
+            other => Err(format!("unknown backend '{other}' (expected cpu, wgpu or cuda)")),
+        }
+    }
+}
+
+/// Options that some backends use.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BackendOptions {
+    /// CPU worker threads (0: all cores).
+    pub threads: usize,
+    /// CUDA: capture the token as one graph (true) or launch eagerly.
+    pub graphs: bool,
+}
+
+/// Creates a backend of `kind`. A backend this build or machine lacks is an error that says so.
+pub fn create(kind: BackendKind, opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend::new(opts.threads)?)),
+        BackendKind::Wgpu => crate::backends::wgpu::create(opts),
+        BackendKind::Cuda => crate::backends::cuda::create(opts),
+    }
+}

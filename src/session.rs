@@ -1,0 +1,123 @@
+//! A decoding session: one recorded program, its compiled executable and caches sized for a
+//! context length, and the position counter that produces each token's `StepParams`.
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, BackendError, Executable};
+use crate::decode::{self, Caps};
+use crate::model::Model;
+use crate::recorder::{Program, StepParams};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("context is full: {needed} tokens do not fit in the remaining {remaining} of --ctx {ctx}")]
+    ContextFull { needed: usize, remaining: usize, ctx: usize },
+    #[error("token id {token} is outside the vocabulary ({n_vocab} tokens)")]
+    BadToken { token: u32, n_vocab: usize },
+    #[error("context length must be between 1 and {max}, got {ctx}")]
+    BadContext { ctx: usize, max: usize },
+    #[error("recording the token program failed: {0}")]
+    Record(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+pub struct Session {
+    model: Arc<Model>,
+    exe: Box<dyn Executable>,
+    caps: Caps,
+    pos: u32,
+    logits: Vec<f32>,
+}
+
+impl Session {
+    /// Records the token program once for `ctx` positions and compiles it on `backend`.
+    pub fn new(model: Arc<Model>, backend: &dyn Backend, ctx: usize) -> Result<Session, SessionError> {
+        const MAX_CTX: usize = 1 << 24;
+        if ctx == 0 || ctx > MAX_CTX {
+            return Err(SessionError::BadContext { ctx, max: MAX_CTX });
+        }
+        let caps = Caps { ctx: ctx as u32 };
+        let program = Arc::new(decode::record_token(&model, caps).map_err(SessionError::Record)?);
+        let exe = backend.compile(program, model.clone())?;
+        Ok(Session { model, exe, caps, pos: 0, logits: Vec::new() })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+    /// The program recorded when the session was created; it serves every position.
+    pub fn program(&self) -> &Arc<Program> {
+        self.exe.program()
+    }
+    pub fn executable(&mut self) -> &mut dyn Executable {
+        self.exe.as_mut()
+    }
+    /// The next position to be filled (tokens seen so far).
+    pub fn pos(&self) -> usize {
+        self.pos as usize
+    }
+    pub fn ctx(&self) -> usize {
+        self.caps.ctx as usize
+    }
+    pub fn remaining(&self) -> usize {
+        self.ctx() - self.pos()
+    }
+
+    fn check(&self, tokens: &[u32]) -> Result<(), SessionError> {
+        if tokens.len() > self.remaining() {
+            return Err(SessionError::ContextFull {
+                needed: tokens.len(),
+                remaining: self.remaining(),
+                ctx: self.ctx(),
+            });
+        }
+        let n_vocab = self.model.config.n_vocab;
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(SessionError::BadToken { token, n_vocab });
+        }
+        Ok(())
+    }
+
+    /// Feeds one token without reading the logits back.
+    fn step(&mut self, token: u32) -> Result<(), SessionError> {
+        self.exe.step(&StepParams::new(token, self.pos))?;
+        self.pos += 1;
+        Ok(())
+    }
+
+    /// Feeds one token at the next position and returns the logits that follow it.
+    pub fn eval(&mut self, token: u32) -> Result<&[f32], SessionError> {
+        self.check(&[token])?;
+        self.step(token)?;
+        self.exe.read_logits(&mut self.logits)?;
+        Ok(&self.logits)
+    }
+
+    /// Feeds a prompt token by token; `progress(done)` is called after each token. Checks that
+    /// the whole prompt fits before running anything. Returns the logits after the last token.
+    pub fn prefill(&mut self, tokens: &[u32], mut progress: impl FnMut(usize)) -> Result<&[f32], SessionError> {
+        self.check(tokens)?;
+        for (i, &t) in tokens.iter().enumerate() {
+            self.step(t)?;
+            progress(i + 1);
+        }
+        if !tokens.is_empty() {
+            self.exe.read_logits(&mut self.logits)?;
+        }
+        Ok(&self.logits)
+    }
+
+    /// The logits after the last token fed.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Forgets the context: position 0, caches back to their initial values.
+    pub fn reset(&mut self) -> Result<(), SessionError> {
+        self.exe.reset()?;
+        self.pos = 0;
+        self.logits.clear();
+        Ok(())
+    }
+}

@@ -1,0 +1,308 @@
+//! Deterministic random-weight GGUFs of the DS4 architecture, for tests, benchmarks and the
+//! embedded default model. Weights are random raw blocks with scales chosen so that every
+//! projection keeps activations near unit size.
+
+use crate::gguf::{self, Value, Writer};
+use crate::quant::{self, GgmlType};
+
+/// A named model shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_vocab: usize,
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub n_rot: usize,
+    pub q_lora_rank: usize,
+    pub o_lora_rank: usize,
+    pub n_out_group: usize,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub n_ff_exp: usize,
+    pub n_hash_layer: usize,
+    pub n_swa: usize,
+    pub n_indexer_head: usize,
+    pub indexer_top_k: usize,
+    pub compress_ratios: Vec<u32>,
+    /// (gate/up, down) routed-expert types.
+    pub expert_types: (GgmlType, GgmlType),
+}
+
+impl Preset {
+    /// The shape of the golden `tiny-a` model.
+    pub fn tiny() -> Preset {
+        Preset {
+            name: "tiny",
+            n_layer: 6,
+            n_embd: 256,
+            n_vocab: 512,
+            n_head: 8,
+            head_dim: 256,
+            n_rot: 64,
+            q_lora_rank: 128,
+            o_lora_rank: 64,
+            n_out_group: 8,
+            n_expert: 8,
+            n_expert_used: 2,
+            n_ff_exp: 256,
+            n_hash_layer: 3,
+            n_swa: 16,
+            n_indexer_head: 16,
+            indexer_top_k: 4,
+            compress_ratios: vec![0, 0, 4, 8, 4, 8],
+            expert_types: (GgmlType::IQ2_XXS, GgmlType::Q2_K),
+        }
+    }
+
+    /// A few layers at width 1024 with 16 experts: big enough to time, small enough for CI.
+    pub fn small() -> Preset {
+        Preset {
+            name: "small",
+            n_layer: 4,
+            n_embd: 1024,
+            n_vocab: 8192,
+            n_head: 16,
+            head_dim: 256,
+            n_rot: 64,
+            q_lora_rank: 256,
+            o_lora_rank: 128,
+            n_out_group: 8,
+            n_expert: 16,
+            n_expert_used: 4,
+            n_ff_exp: 512,
+            n_hash_layer: 1,
+            n_swa: 64,
+            n_indexer_head: 16,
+            indexer_top_k: 16,
+            compress_ratios: vec![0, 4, 16, 4],
+            expert_types: (GgmlType::IQ2_XXS, GgmlType::Q2_K),
+        }
+    }
+
+    pub fn by_name(name: &str) -> Option<Preset> {
+        match name {
+            "tiny" => Some(Self::tiny()),
+            "small" => Some(Self::small()),
+            _ => None,
+        }
+    }
+}
+
+/// splitmix64: a small, well-mixed deterministic generator.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64, name: &str) -> Rng {
+        // FNV-1a of the tensor name, so each tensor's values do not depend on writing order.
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3));
+        Rng(seed ^ h)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn byte(&mut self) -> u8 {
+        self.next() as u8
+    }
+}
+
+fn f16_bytes(x: f32) -> [u8; 2] {
+    quant::f32_to_f16(x).to_le_bytes()
+}
+
+/// Random tensor data of `ty` with element scale about `std`.
+fn random_data(rng: &mut Rng, ty: GgmlType, elements: usize, std: f32) -> Vec<u8> {
+    // Uniform in [-a, a) has standard deviation a / sqrt(3).
+    let a = std * 3f32.sqrt();
+    let blocks = elements / ty.block_elems();
+    let mut out = Vec::with_capacity(blocks * ty.block_bytes());
+    match ty {
+        GgmlType::F32 => (0..elements).for_each(|_| out.extend_from_slice(&(rng.uniform() * a).to_le_bytes())),
+        GgmlType::F16 => (0..elements).for_each(|_| out.extend_from_slice(&f16_bytes(rng.uniform() * a))),
+        GgmlType::Q8_0 => {
+            // q uniform in [-127, 127] has std ~73.
+            for _ in 0..blocks {
+                out.extend_from_slice(&f16_bytes(std / 73.0));
+                (0..32).for_each(|_| out.push((rng.uniform() * 127.0).round() as i8 as u8));
+            }
+        }
+        GgmlType::IQ2_XXS => {
+            // |w| = d * (2s+1)/8 * grid, grid in {8, 25, 43}, s uniform in 0..16: about 50 d.
+            for _ in 0..blocks {
+                out.extend_from_slice(&f16_bytes(std / 50.0));
+                (0..64).for_each(|_| out.push(rng.byte()));
+            }
+        }
+        GgmlType::Q2_K => {
+            // w = d * sc * q - dmin * m with sc, m < 16 and q < 4: about 6 d around its mean.
+            for _ in 0..blocks {
+                (0..16).for_each(|_| out.push(rng.byte()));
+                (0..64).for_each(|_| out.push(rng.byte()));
+                out.extend_from_slice(&f16_bytes(std / 6.0));
+                out.extend_from_slice(&f16_bytes(std / 12.0));
+            }
+        }
+        GgmlType::Q4_K => {
+            // w = d * sc * q - dmin * m with 6-bit sc, m and 4-bit q: about 80 d around its mean.
+            for _ in 0..blocks {
+                out.extend_from_slice(&f16_bytes(std / 80.0));
+                out.extend_from_slice(&f16_bytes(std / 160.0));
+                (0..140).for_each(|_| out.push(rng.byte()));
+            }
+        }
+        other => unreachable!("synth does not write {other:?}"),
+    }
+    out
+}
+
+struct Builder {
+    w: Writer,
+    seed: u64,
+}
+
+impl Builder {
+    fn random(&mut self, name: &str, ty: GgmlType, dims: &[usize], std: f32) {
+        let mut rng = Rng::new(self.seed, name);
+        let n: usize = dims.iter().product();
+        let dims64: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        self.w.tensor(name, ty, &dims64, random_data(&mut rng, ty, n, std));
+    }
+    /// An F32 vector around `center`.
+    fn around(&mut self, name: &str, n: usize, center: f32, spread: f32) {
+        let mut rng = Rng::new(self.seed, name);
+        let data = (0..n).flat_map(|_| (center + rng.uniform() * spread).to_le_bytes()).collect();
+        self.w.tensor(name, GgmlType::F32, &[n as u64], data);
+    }
+    /// A matrix `[in, out]` that maps unit-size inputs to unit-size outputs.
+    fn matrix(&mut self, name: &str, ty: GgmlType, n_in: usize, n_out: usize) {
+        self.random(name, ty, &[n_in, n_out], 1.0 / (n_in as f32).sqrt());
+    }
+}
+
+/// Writes a complete GGUF image of the preset's shape.
+pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
+    let mut b = Builder { w: Writer::new(), seed };
+    let u = |v: usize| Value::U32(v as u32);
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("deepseek4".into())),
+        ("general.name", Value::String(format!("ds4-synth-{}", p.name))),
+        ("deepseek4.block_count", u(p.n_layer)),
+        ("deepseek4.embedding_length", u(p.n_embd)),
+        ("deepseek4.vocab_size", u(p.n_vocab)),
+        ("deepseek4.context_length", u(1 << 20)),
+        ("deepseek4.attention.head_count", u(p.n_head)),
+        ("deepseek4.attention.head_count_kv", u(1)),
+        ("deepseek4.attention.key_length", u(p.head_dim)),
+        ("deepseek4.attention.value_length", u(p.head_dim)),
+        ("deepseek4.rope.dimension_count", u(p.n_rot)),
+        ("deepseek4.attention.q_lora_rank", u(p.q_lora_rank)),
+        ("deepseek4.attention.output_lora_rank", u(p.o_lora_rank)),
+        ("deepseek4.attention.output_group_count", u(p.n_out_group)),
+        ("deepseek4.expert_count", u(p.n_expert)),
+        ("deepseek4.expert_used_count", u(p.n_expert_used)),
+        ("deepseek4.expert_feed_forward_length", u(p.n_ff_exp)),
+        ("deepseek4.expert_shared_count", u(1)),
+        ("deepseek4.hash_layer_count", u(p.n_hash_layer)),
+        ("deepseek4.attention.sliding_window", u(p.n_swa)),
+        ("deepseek4.attention.indexer.head_count", u(p.n_indexer_head)),
+        ("deepseek4.attention.indexer.key_length", u(128)),
+        ("deepseek4.attention.indexer.top_k", u(p.indexer_top_k)),
+        ("deepseek4.hyper_connection.count", u(4)),
+        ("deepseek4.hyper_connection.sinkhorn_iterations", u(20)),
+        ("deepseek4.attention.compress_ratios", gguf::u32_array(&p.compress_ratios)),
+        ("deepseek4.swiglu_clamp_exp", gguf::f32_array(&vec![10.0; p.n_layer])),
+        ("deepseek4.rope.scaling.original_context_length", u(65536)),
+        ("deepseek4.rope.freq_base", Value::F32(10000.0)),
+        ("deepseek4.rope.scaling.factor", Value::F32(16.0)),
+        ("deepseek4.rope.scaling.yarn_beta_fast", Value::F32(32.0)),
+        ("deepseek4.rope.scaling.yarn_beta_slow", Value::F32(1.0)),
+        ("deepseek4.attention.compress_rope_freq_base", Value::F32(160000.0)),
+        ("deepseek4.expert_weights_scale", Value::F32(1.5)),
+        ("deepseek4.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("deepseek4.hyper_connection.epsilon", Value::F32(1e-6)),
+        ("deepseek4.expert_weights_norm", Value::Bool(true)),
+    ];
+    for (k, v) in meta {
+        b.w.set(k, v);
+    }
+    let (tokens, merges) = crate::tokenizer::standin_vocab(p.n_vocab).expect("presets have at least 263 tokens");
+    b.w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+    b.w.set("tokenizer.ggml.tokens", gguf::string_array(&tokens));
+    b.w.set("tokenizer.ggml.merges", gguf::string_array(&merges));
+
+    let (e, hc, mix) = (p.n_embd, 4 * p.n_embd, 8 + 16);
+    let q_dim = p.n_head * p.head_dim;
+    let group_dim = p.head_dim * (p.n_head / p.n_out_group);
+    let low = p.o_lora_rank * p.n_out_group;
+    b.random("token_embd.weight", GgmlType::F16, &[e, p.n_vocab], 1.0);
+    b.around("output_hc_base.weight", 4, 0.0, 0.5);
+    b.matrix("output_hc_fn.weight", GgmlType::F16, hc, 4);
+    b.around("output_hc_scale.weight", 1, 0.5, 0.2);
+    b.around("output_norm.weight", e, 1.0, 0.1);
+    b.matrix("output.weight", GgmlType::Q8_0, e, p.n_vocab);
+    for il in 0..p.n_layer {
+        let n = |s: &str| format!("blk.{il}.{s}");
+        let ratio = p.compress_ratios[il] as usize;
+        for half in ["attn", "ffn"] {
+            b.matrix(&n(&format!("hc_{half}_fn.weight")), GgmlType::F16, hc, mix);
+            b.around(&n(&format!("hc_{half}_scale.weight")), 3, 0.5, 0.2);
+            b.around(&n(&format!("hc_{half}_base.weight")), mix, 0.0, 0.5);
+            b.around(&n(&format!("{half}_norm.weight")), e, 1.0, 0.1);
+        }
+        b.matrix(&n("attn_q_a.weight"), GgmlType::Q8_0, e, p.q_lora_rank);
+        b.around(&n("attn_q_a_norm.weight"), p.q_lora_rank, 1.0, 0.1);
+        b.matrix(&n("attn_q_b.weight"), GgmlType::Q8_0, p.q_lora_rank, q_dim);
+        b.matrix(&n("attn_kv.weight"), GgmlType::Q8_0, e, p.head_dim);
+        b.around(&n("attn_kv_a_norm.weight"), p.head_dim, 1.0, 0.1);
+        b.around(&n("attn_sinks.weight"), p.n_head, 0.0, 1.0);
+        b.matrix(&n("attn_output_a.weight"), GgmlType::Q8_0, group_dim, low);
+        b.matrix(&n("attn_output_b.weight"), GgmlType::Q8_0, low, e);
+        if ratio != 0 {
+            let width = if ratio == 4 { 2 * p.head_dim } else { p.head_dim };
+            b.random(&n("attn_compressor_ape.weight"), GgmlType::F16, &[width, ratio], 0.3);
+            b.matrix(&n("attn_compressor_kv.weight"), GgmlType::F16, e, width);
+            b.matrix(&n("attn_compressor_gate.weight"), GgmlType::F16, e, width);
+            b.around(&n("attn_compressor_norm.weight"), p.head_dim, 1.0, 0.1);
+        }
+        if ratio == 4 {
+            b.matrix(&n("indexer.attn_q_b.weight"), GgmlType::F16, p.q_lora_rank, p.n_indexer_head * 128);
+            b.matrix(&n("indexer.proj.weight"), GgmlType::F16, e, p.n_indexer_head);
+            b.random(&n("indexer_compressor_ape.weight"), GgmlType::F16, &[256, 4], 0.3);
+            b.matrix(&n("indexer_compressor_kv.weight"), GgmlType::F16, e, 256);
+            b.matrix(&n("indexer_compressor_gate.weight"), GgmlType::F16, e, 256);
+            b.around(&n("indexer_compressor_norm.weight"), 128, 1.0, 0.1);
+        }
+        b.matrix(&n("ffn_gate_inp.weight"), GgmlType::F16, e, p.n_expert);
+        let (gu, down) = p.expert_types;
+        b.random(&n("ffn_gate_exps.weight"), gu, &[e, p.n_ff_exp, p.n_expert], 1.0 / (e as f32).sqrt());
+        b.random(&n("ffn_up_exps.weight"), gu, &[e, p.n_ff_exp, p.n_expert], 1.0 / (e as f32).sqrt());
+        b.random(&n("ffn_down_exps.weight"), down, &[p.n_ff_exp, e, p.n_expert], 1.0 / (p.n_ff_exp as f32).sqrt());
+        b.matrix(&n("ffn_gate_shexp.weight"), GgmlType::Q8_0, e, p.n_ff_exp);
+        b.matrix(&n("ffn_up_shexp.weight"), GgmlType::Q8_0, e, p.n_ff_exp);
+        b.matrix(&n("ffn_down_shexp.weight"), GgmlType::Q8_0, p.n_ff_exp, e);
+        if il < p.n_hash_layer {
+            // Each token's row names n_used distinct experts.
+            let mut rng = Rng::new(seed, &n("ffn_gate_tid2eid.weight"));
+            let mut data = Vec::with_capacity(p.n_vocab * p.n_expert_used * 4);
+            for _ in 0..p.n_vocab {
+                let start = (rng.next() % p.n_expert as u64) as usize;
+                for k in 0..p.n_expert_used {
+                    data.extend_from_slice(&(((start + k) % p.n_expert) as i32).to_le_bytes());
+                }
+            }
+            b.w.tensor(n("ffn_gate_tid2eid.weight"), GgmlType::I32, &[p.n_expert_used as u64, p.n_vocab as u64], data);
+        } else {
+            b.around(&n("exp_probs_b.bias"), p.n_expert, 0.0, 0.1);
+        }
+    }
+    b.w.to_bytes()
+}

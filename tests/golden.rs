@@ -1,0 +1,69 @@
+//! Teacher-forced decode of the golden tiny-a model against ds4's own CPU logits.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ds4::backends::cpu::CpuBackend;
+use ds4::model::Model;
+use ds4::session::Session;
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden/tiny-a")
+}
+
+struct Golden {
+    tokens: Vec<u32>,
+    argmax: Vec<u32>,
+    n_vocab: usize,
+    logits: Vec<f32>,
+}
+
+fn load_golden() -> Golden {
+    let dir = golden_dir();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json")).expect("golden tokens.json")).unwrap();
+    let ids =
+        |k: &str| -> Vec<u32> { meta[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let n_vocab = meta["n_vocab"].as_u64().unwrap() as usize;
+    let raw = std::fs::read(dir.join("logits.f32")).expect("golden logits.f32");
+    let logits: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let tokens = ids("tokens");
+    assert_eq!(logits.len(), tokens.len() * n_vocab, "golden logits shape");
+    Golden { tokens, argmax: ids("argmax"), n_vocab, logits }
+}
+
+fn model() -> Arc<Model> {
+    Model::open(golden_dir().join("model.gguf")).expect("tiny-a loads")
+}
+
+#[test]
+fn cpu_matches_ds4_logits_at_every_step() {
+    let g = load_golden();
+    let backend = CpuBackend::new(0).unwrap();
+    let mut s = Session::new(model(), &backend, 256).unwrap();
+    let mut worst_overall = 0.0f32;
+    let mut failures = Vec::new();
+    let mut argmax_agree = 0;
+    for (i, &t) in g.tokens.iter().enumerate() {
+        let logits = s.eval(t).unwrap().to_vec();
+        let want = &g.logits[i * g.n_vocab..(i + 1) * g.n_vocab];
+        let diffs: Vec<f32> = logits.iter().zip(want).map(|(a, b)| (a - b).abs()).collect();
+        let worst = diffs.iter().fold(0.0f32, |m, &d| m.max(d));
+        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+        let am = ds4::sample::argmax(&logits);
+        argmax_agree += (am == g.argmax[i]) as usize;
+        println!(
+            "step {i:2} pos {i:2} token {t:3}: max |diff| {worst:.6} mean {mean:.7} argmax {am} (ds4 {})",
+            g.argmax[i]
+        );
+        worst_overall = worst_overall.max(worst);
+        if worst > 0.01 || !worst.is_finite() {
+            failures.push(i);
+        }
+    }
+    println!(
+        "worst |logit - golden| over {} steps: {worst_overall:e}; argmax agrees at {argmax_agree} steps",
+        g.tokens.len()
+    );
+    assert!(failures.is_empty(), "steps over the 0.01 bound: {failures:?}");
+}
