@@ -1,1 +1,619 @@
-fn main() {}
+//! The `ds4` command line: run, check, bench, inspect, synth, tokenize.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use ds4::backend::{self, Backend, BackendKind, BackendOptions};
+use ds4::gguf;
+use ds4::model::Model;
+use ds4::sample::{Sampler, SamplerConfig};
+use ds4::session::Session;
+use ds4::synth::{self, Preset};
+use ds4::tokenizer::{StreamDecoder, ThinkMode, Tokenizer};
+
+/// The file `ds4 run` looks for when no -m is given.
+const DEFAULT_MODEL: &str = "ds4flash.gguf";
+/// Seed of the embedded tiny model.
+const EMBEDDED_SEED: u64 = 4;
+
+#[derive(Parser)]
+#[command(name = "ds4", version, about = "A Rust runtime for DeepSeek V4 Flash GGUF files")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text (or token ids) from a prompt.
+    Run(RunArgs),
+    /// Compare one backend's logits against another backend or a reference file.
+    Check(CheckArgs),
+    /// Measure prefill and decode speed.
+    Bench(BenchArgs),
+    /// Describe a model file.
+    Inspect {
+        #[arg(short, long)]
+        model: PathBuf,
+    },
+    /// Write a deterministic random-weight model of a named shape.
+    Synth {
+        #[arg(long, value_parser = ["tiny", "small"])]
+        preset: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = EMBEDDED_SEED)]
+        seed: u64,
+    },
+    /// Print the token ids of a text as a JSON array.
+    Tokenize {
+        #[arg(short, long)]
+        model: PathBuf,
+        #[arg(short, long, conflicts_with = "prompt_file")]
+        prompt: Option<String>,
+        #[arg(long)]
+        prompt_file: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum BackendArg {
+    Auto,
+    Cpu,
+    Wgpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum OnOff {
+    On,
+    Off,
+}
+
+/// Where the model comes from and how it runs.
+#[derive(Args)]
+struct ModelArgs {
+    /// GGUF model file. Without it, ./ds4flash.gguf, else the embedded tiny synthetic model.
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// Synthesize a preset model in memory instead of reading a file (tiny, small).
+    #[arg(long, conflicts_with = "model")]
+    preset: Option<String>,
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// CUDA: replay the token as one captured graph (on) or launch kernels eagerly (off).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    graphs: OnOff,
+    /// CPU worker threads (0: all cores).
+    #[arg(short, long, default_value_t = 0)]
+    threads: usize,
+    /// Context length in tokens.
+    #[arg(short, long, default_value_t = 32768)]
+    ctx: usize,
+}
+
+/// `--tokens` is the generation count (`-n/--tokens N`, as in ds4) or, given a comma list such as
+/// `--tokens 0,338,298`, the token ids to feed.
+#[derive(Clone, Debug)]
+enum TokensArg {
+    Count(usize),
+    Ids(Vec<u32>),
+}
+
+fn parse_tokens_arg(s: &str) -> Result<TokensArg, String> {
+    if s.contains(',') {
+        parse_ids(s).map(|l| TokensArg::Ids(l.0))
+    } else {
+        s.trim().parse().map(TokensArg::Count).map_err(|_| format!("'{s}' is neither a count nor a comma list of ids"))
+    }
+}
+
+/// A comma list of token ids (a newtype, so clap takes it as one value).
+#[derive(Clone, Debug)]
+struct IdList(Vec<u32>);
+
+fn parse_ids(s: &str) -> Result<IdList, String> {
+    let ids: Vec<u32> = s
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>().map_err(|_| format!("'{t}' is not a token id")))
+        .collect::<Result<_, _>>()?;
+    if ids.is_empty() {
+        return Err("the token id list is empty".into());
+    }
+    Ok(IdList(ids))
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    m: ModelArgs,
+    #[arg(short, long, conflicts_with_all = ["prompt_file", "token_ids"])]
+    prompt: Option<String>,
+    #[arg(long, conflicts_with = "token_ids")]
+    prompt_file: Option<PathBuf>,
+    /// System prompt of the chat template.
+    #[arg(short, long, default_value = "You are a helpful assistant")]
+    system: String,
+    /// Tokens to generate (`-n 0` only feeds the prompt); a comma list feeds those token ids instead.
+    #[arg(short = 'n', long = "tokens", value_parser = parse_tokens_arg, action = clap::ArgAction::Append)]
+    tokens: Vec<TokensArg>,
+    /// Token ids to feed as they are, with no chat template (same as a comma list to --tokens).
+    #[arg(long, value_parser = parse_ids)]
+    token_ids: Option<IdList>,
+    /// Sampling temperature; 0 is greedy. Default: 1.0 with a prompt, 0 with raw token ids.
+    #[arg(long)]
+    temp: Option<f32>,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Open the answer with <think> (the default).
+    #[arg(long, conflicts_with = "nothink")]
+    think: bool,
+    /// Open the answer with </think>: no reasoning.
+    #[arg(long)]
+    nothink: bool,
+    /// Keep generating past the end-of-sentence token.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Write one row of little-endian f32 logits per fed token (steps x vocab).
+    #[arg(long)]
+    dump_logits: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    m: ModelArgs,
+    /// The backend compared against --backend (ignored with --logits).
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    against: BackendArg,
+    /// Reference logits (steps x vocab little-endian f32), e.g. from `run --dump-logits`.
+    #[arg(long)]
+    logits: Option<PathBuf>,
+    /// Token ids to feed (comma list). Default: greedy continuation of token 0 on the reference.
+    #[arg(long, value_parser = parse_ids)]
+    token_ids: Option<IdList>,
+    /// Steps to compare when no token ids are given.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    steps: usize,
+    /// Largest allowed |logit difference|.
+    #[arg(long, default_value_t = 0.01)]
+    tolerance: f32,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    m: ModelArgs,
+    /// Prompt tokens to prefill before timing decode.
+    #[arg(long, default_value_t = 32)]
+    prefill: usize,
+    /// Decode tokens to time.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    tokens: usize,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Run(a) => cmd_run(a),
+        Cmd::Check(a) => cmd_check(a),
+        Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Inspect { model } => cmd_inspect(&model),
+        Cmd::Synth { preset, out, seed } => cmd_synth(&preset, &out, seed),
+        Cmd::Tokenize { model, prompt, prompt_file } => cmd_tokenize(&model, prompt, prompt_file),
+    };
+    if let Err(e) = r {
+        eprintln!("ds4: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// A model and its tokenizer, with a line saying where they came from.
+struct Loaded {
+    model: Arc<Model>,
+    tokenizer: Tokenizer,
+    source: String,
+}
+
+fn load(m: &ModelArgs) -> Result<Loaded> {
+    let (file, source) = if let Some(name) = &m.preset {
+        let preset = Preset::by_name(name).with_context(|| format!("unknown preset '{name}' (tiny, small)"))?;
+        let bytes = synth::build(&preset, EMBEDDED_SEED);
+        (
+            gguf::File::from_bytes(format!("synthetic {name} model"), bytes)?,
+            format!("synthetic '{name}' model (in memory)"),
+        )
+    } else {
+        let path = match &m.model {
+            Some(p) => Some(p.clone()),
+            None if Path::new(DEFAULT_MODEL).exists() => Some(PathBuf::from(DEFAULT_MODEL)),
+            None => None,
+        };
+        match path {
+            Some(p) => {
+                if !p.exists() {
+                    bail!("model file {} does not exist", p.display());
+                }
+                (gguf::File::open(&p)?, p.display().to_string())
+            }
+            None => {
+                let bytes = synth::build(&Preset::tiny(), EMBEDDED_SEED);
+                eprintln!(
+                    "ds4: no -m given and no ./{DEFAULT_MODEL}: running the embedded tiny synthetic model \
+                     (random weights, byte-level stand-in tokenizer; its output is noise)"
+                );
+                (gguf::File::from_bytes("embedded tiny model", bytes)?, "embedded tiny synthetic model".to_string())
+            }
+        }
+    };
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let model = Model::from_file(file)?;
+    if tokenizer.vocab_size() != model.config.n_vocab {
+        bail!(
+            "{}: the tokenizer has {} tokens but the model's vocabulary is {}",
+            model.file.name(),
+            tokenizer.vocab_size(),
+            model.config.n_vocab
+        );
+    }
+    Ok(Loaded { model, tokenizer, source })
+}
+
+fn backend_kind(b: BackendArg) -> Option<BackendKind> {
+    match b {
+        BackendArg::Auto => None,
+        BackendArg::Cpu => Some(BackendKind::Cpu),
+        BackendArg::Wgpu => Some(BackendKind::Wgpu),
+        BackendArg::Cuda => Some(BackendKind::Cuda),
+    }
+}
+
+/// The backend asked for; `auto` takes the first of cuda, wgpu, cpu that this build and machine offer.
+fn make_backend(m: &ModelArgs, which: BackendArg) -> Result<Box<dyn Backend>> {
+    let opts = BackendOptions { threads: m.threads, graphs: m.graphs == OnOff::On };
+    match backend_kind(which) {
+        Some(kind) => Ok(backend::create(kind, opts)?),
+        None => {
+            let mut skipped = Vec::new();
+            for kind in [BackendKind::Cuda, BackendKind::Wgpu] {
+                match backend::create(kind, opts) {
+                    Ok(b) => return Ok(b),
+                    Err(e) => skipped.push(e.msg),
+                }
+            }
+            eprintln!("ds4: --backend auto chose cpu (cuda: {}; wgpu: {})", skipped[0], skipped[1]);
+            Ok(backend::create(BackendKind::Cpu, opts)?)
+        }
+    }
+}
+
+fn spinner(msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").unwrap());
+    pb.set_message(msg.to_string());
+    pb.enable_steady_tick(Duration::from_millis(100));
+    pb
+}
+
+/// Loads the model and compiles a session, with a progress line; returns the load time too.
+fn start(m: &ModelArgs, which: BackendArg) -> Result<(Loaded, Session, Duration)> {
+    let t0 = Instant::now();
+    let pb = spinner("loading model");
+    let loaded = load(m);
+    pb.finish_and_clear();
+    let loaded = loaded?;
+    let backend = make_backend(m, which)?;
+    let pb = spinner(&format!("preparing the {} backend", backend.name()));
+    let session = Session::new(loaded.model.clone(), backend.as_ref(), m.ctx);
+    pb.finish_and_clear();
+    let session = session?;
+    let elapsed = t0.elapsed();
+    let (ops, predicated) = session.program().op_counts();
+    eprintln!(
+        "ds4: {} on {}: {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), loaded in {:.2} s",
+        loaded.source,
+        backend.name(),
+        loaded.model.config.n_layer,
+        m.ctx,
+        elapsed.as_secs_f64()
+    );
+    Ok((loaded, session, elapsed))
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+fn cmd_run(a: RunArgs) -> Result<()> {
+    let mut n_gen = None;
+    let mut ids = a.token_ids.clone().map(|l| l.0);
+    for t in &a.tokens {
+        match t {
+            TokensArg::Count(n) => n_gen = Some(*n),
+            TokensArg::Ids(v) => {
+                if ids.is_some() {
+                    bail!("token ids given twice");
+                }
+                ids = Some(v.clone());
+            }
+        }
+    }
+    let raw_ids = ids.is_some();
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => {
+            Some(std::fs::read_to_string(f).with_context(|| format!("cannot read prompt file {}", f.display()))?)
+        }
+        (None, None) => None,
+    };
+    if !raw_ids && prompt.is_none() {
+        bail!("give a prompt (-p TEXT or --prompt-file FILE) or token ids (--tokens 0,338,298)");
+    }
+
+    let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
+    let tok = &loaded.tokenizer;
+    let think = if a.nothink { ThinkMode::NoThink } else { ThinkMode::Think };
+    let input: Vec<u32> = match (ids, &prompt) {
+        (Some(v), _) => v,
+        (None, Some(p)) => tok.render_chat(&a.system, p, think),
+        (None, None) => unreachable!("checked above"),
+    };
+    if input.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let n_gen = n_gen.unwrap_or(if raw_ids { 16 } else { 512 });
+    if input.len() > session.ctx() {
+        bail!("the prompt is {} tokens, longer than --ctx {}", input.len(), session.ctx());
+    }
+    let room = session.ctx() - input.len();
+    let n_gen = if n_gen > room {
+        eprintln!("ds4: generating at most {room} tokens: the context ends there (--ctx {})", session.ctx());
+        room
+    } else {
+        n_gen
+    };
+
+    // Prefill. With --dump-logits every fed token's logits are kept.
+    let t_prefill = Instant::now();
+    let mut dump = a.dump_logits.as_ref().map(|_| Vec::<u8>::new());
+    let pb = if input.len() >= 64 { ProgressBar::new(input.len() as u64) } else { ProgressBar::hidden() };
+    pb.set_style(ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {per_sec}").unwrap());
+    let mut logits = Vec::new();
+    if let Some(buf) = dump.as_mut() {
+        for &t in &input {
+            logits = session.eval(t)?.to_vec();
+            buf.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+            pb.inc(1);
+        }
+    } else {
+        logits = session.prefill(&input, |i| pb.set_position(i as u64))?.to_vec();
+    }
+    pb.finish_and_clear();
+    let prefill_time = t_prefill.elapsed();
+    if let (Some(path), Some(buf)) = (&a.dump_logits, &dump) {
+        std::fs::write(path, buf).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("ds4: wrote {} x {} logits to {}", input.len(), logits.len(), path.display());
+    }
+
+    // Decode.
+    let temperature = a.temp.unwrap_or(if raw_ids { 0.0 } else { 1.0 });
+    let mut sampler =
+        Sampler::new(SamplerConfig { temperature, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, seed: a.seed });
+    let eos = tok.specials().eos;
+    let mut out = std::io::stdout().lock();
+    let mut text = StreamDecoder::new();
+    let t_decode = Instant::now();
+    let mut generated = 0;
+    let mut fed_after_first = 0;
+    for i in 0..n_gen {
+        let next = sampler.sample(&logits);
+        generated += 1;
+        if raw_ids {
+            write!(out, "{}{next}", if i == 0 { "" } else { " " })?;
+        } else if next != eos {
+            write!(out, "{}", text.push(&tok.token_bytes(next).unwrap_or_default()))?;
+        }
+        out.flush()?;
+        if next == eos && !a.ignore_eos {
+            break;
+        }
+        if i + 1 < n_gen {
+            logits = session.eval(next)?.to_vec();
+            fed_after_first += 1;
+        }
+    }
+    write!(out, "{}", text.finish())?;
+    if generated > 0 {
+        writeln!(out)?;
+    }
+    let decode_time = t_decode.elapsed();
+    eprintln!(
+        "ds4: prefill {} tokens in {:.3} s ({:.1} tok/s); decode {generated} tokens in {:.3} s ({:.1} tok/s)",
+        input.len(),
+        prefill_time.as_secs_f64(),
+        rate(input.len(), prefill_time),
+        decode_time.as_secs_f64(),
+        rate(fed_after_first, decode_time),
+    );
+    Ok(())
+}
+
+fn cmd_check(a: CheckArgs) -> Result<()> {
+    let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
+    let n_vocab = loaded.model.config.n_vocab;
+    let reference: Option<Vec<f32>> = match &a.logits {
+        Some(p) => {
+            let raw = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+            if raw.len() % (4 * n_vocab) != 0 {
+                bail!("{}: {} bytes is not a whole number of {n_vocab}-logit rows", p.display(), raw.len());
+            }
+            Some(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
+        None => None,
+    };
+    let mut other = match reference {
+        Some(_) => None,
+        None => {
+            let b = make_backend(&a.m, a.against)?;
+            Some(Session::new(loaded.model.clone(), b.as_ref(), a.m.ctx)?)
+        }
+    };
+    let token_ids = a.token_ids.as_ref().map(|l| &l.0);
+    let steps = match (token_ids, &reference) {
+        (Some(t), _) => t.len(),
+        (None, Some(r)) => r.len() / n_vocab,
+        (None, None) => a.steps,
+    };
+    let mut worst = 0.0f32;
+    let mut bad = 0;
+    let mut token = token_ids.map_or(0, |t| t[0]);
+    for step in 0..steps {
+        let got = session.eval(token)?.to_vec();
+        let want: Vec<f32> = match (&reference, other.as_mut()) {
+            (Some(r), _) => r[step * n_vocab..(step + 1) * n_vocab].to_vec(),
+            (None, Some(o)) => o.eval(token)?.to_vec(),
+            (None, None) => unreachable!("one reference exists"),
+        };
+        let d = got.iter().zip(&want).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        let d = if d.is_finite() { d } else { f32::INFINITY };
+        worst = worst.max(d);
+        bad += (d > a.tolerance) as usize;
+        println!("step {step:4} token {token:6}: max |diff| {d:.3e}");
+        token = match token_ids {
+            Some(t) if step + 1 < t.len() => t[step + 1],
+            _ => ds4::sample::argmax(&want),
+        };
+    }
+    println!("worst {worst:.3e} over {steps} steps; {bad} steps above {}", a.tolerance);
+    if bad > 0 {
+        bail!("{bad} of {steps} steps differ by more than {}", a.tolerance);
+    }
+    Ok(())
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let (loaded, mut session, load_time) = start(&a.m, a.m.backend)?;
+    let cfg = &loaded.model.config;
+    let need = a.prefill + a.tokens;
+    if need > session.ctx() {
+        bail!("--prefill {} plus -n {} tokens do not fit in --ctx {}", a.prefill, a.tokens, session.ctx());
+    }
+    let prompt: Vec<u32> = (0..a.prefill.max(1)).map(|i| ((i * 7919 + 13) % cfg.n_vocab) as u32).collect();
+    let t0 = Instant::now();
+    let mut logits = session.prefill(&prompt, |_| {})?.to_vec();
+    let prefill_time = t0.elapsed();
+    let t1 = Instant::now();
+    for _ in 0..a.tokens {
+        let next = ds4::sample::argmax(&logits);
+        logits = session.eval(next)?.to_vec();
+    }
+    let decode_time = t1.elapsed();
+    let bytes = loaded.model.weights.decode_bytes_per_token(cfg) as f64;
+    let tps = rate(a.tokens, decode_time);
+    println!("model      {}", loaded.source);
+    println!("backend    {}", session_backend_name(&a.m));
+    println!("load       {:.3} s", load_time.as_secs_f64());
+    println!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
+    println!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, 1e3 / tps.max(1e-9));
+    println!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
+    Ok(())
+}
+
+fn session_backend_name(m: &ModelArgs) -> String {
+    match backend_kind(m.backend) {
+        Some(BackendKind::Cpu) | None => {
+            let threads = if m.threads == 0 { rayon::current_num_threads() } else { m.threads };
+            format!("cpu ({threads} threads)")
+        }
+        Some(k) => k.name().to_string(),
+    }
+}
+
+fn cmd_inspect(path: &Path) -> Result<()> {
+    let file = gguf::File::open(path)?;
+    let n_tokens = file.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len());
+    let arch = file.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    let name = file.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string();
+    let n_tensors = file.tensors().len();
+    let file_bytes = file.len();
+    let model = Model::from_file(file)?;
+    let c = &model.config;
+    let w = &model.weights;
+    println!("file          {} ({:.2} MB, {n_tensors} tensors)", path.display(), file_bytes as f64 / 1e6);
+    println!("architecture  {arch}{}", if name.is_empty() { String::new() } else { format!(" ({name})") });
+    println!("layers        {}", c.n_layer);
+    println!("embedding     {}  (x{} HC streams)", c.n_embd, c.n_hc);
+    println!("vocab         {}", c.n_vocab);
+    println!(
+        "attention     {} heads x {} (RoPE on the last {}), 1 shared KV head, window {}",
+        c.n_head, c.head_dim, c.n_rot, c.n_swa
+    );
+    println!("q / o LoRA    {} / {} x {} groups", c.q_lora_rank, c.o_lora_rank, c.n_out_group);
+    println!(
+        "experts       {} routed, {} used, ff {}, {} hash-routed layers, 1 shared",
+        c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_hash_layer
+    );
+    println!("indexer       {} heads x {}, top-k {}", c.n_indexer_head, c.indexer_head_dim, c.indexer_top_k);
+    let ratios: Vec<String> = c.compress_ratios.iter().map(|r| r.to_string()).collect();
+    println!("ratios        {}", ratios.join(","));
+    for (il, l) in w.layers.iter().enumerate() {
+        println!(
+            "  layer {il:2}    {:<22} experts {:?}/{:?}/{:?}{}",
+            c.attention_kind(il).describe(),
+            l.ffn_gate_exps.ty,
+            l.ffn_up_exps.ty,
+            l.ffn_down_exps.ty,
+            if c.is_hash_layer(il) { "  hash-routed" } else { "" }
+        );
+    }
+    println!("weights       {:.2} MB", w.total_bytes() as f64 / 1e6);
+    println!("per token     {:.2} MB read by one decode token", w.decode_bytes_per_token(c) as f64 / 1e6);
+    match n_tokens {
+        Some(n) => println!("tokenizer     {n} tokens"),
+        None => println!("tokenizer     none"),
+    }
+    Ok(())
+}
+
+fn cmd_synth(preset: &str, out: &Path, seed: u64) -> Result<()> {
+    let p = Preset::by_name(preset).with_context(|| format!("unknown preset '{preset}'"))?;
+    let bytes = synth::build(&p, seed);
+    std::fs::write(out, &bytes).with_context(|| format!("cannot write {}", out.display()))?;
+    eprintln!(
+        "ds4: wrote the '{preset}' preset ({:.2} MB, seed {seed}) to {}",
+        bytes.len() as f64 / 1e6,
+        out.display()
+    );
+    Ok(())
+}
+
+fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBuf>) -> Result<()> {
+    let text = match (prompt, prompt_file) {
+        (Some(p), _) => p,
+        (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?,
+        (None, None) => bail!("give -p TEXT or --prompt-file FILE"),
+    };
+    let file = gguf::File::open(model)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    println!("{}", serde_json::to_string(&tok.encode(&text))?);
+    Ok(())
+}

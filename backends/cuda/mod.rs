@@ -5,7 +5,7 @@ use crate::backend::{Backend, BackendError, BackendOptions};
 
 #[cfg(feature = "cuda")]
 pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
-    Err(BackendError::new("cuda", "the CUDA kernels are not implemented yet in this version of ds4; use --backend cpu"))
+    Err(BackendError::new("cuda", "its CUDA kernels are not implemented yet in this version of ds4"))
 }
 
 #[cfg(not(feature = "cuda"))]

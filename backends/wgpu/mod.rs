@@ -5,7 +5,7 @@ use crate::backend::{Backend, BackendError, BackendOptions};
 
 #[cfg(feature = "wgpu")]
 pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
-    Err(BackendError::new("wgpu", "the WGSL kernels are not implemented yet in this version of ds4; use --backend cpu"))
+    Err(BackendError::new("wgpu", "its WGSL kernels are not implemented yet in this version of ds4"))
 }
 
 #[cfg(not(feature = "wgpu"))]
