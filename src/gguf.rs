@@ -481,10 +481,15 @@ fn parse_header(r: &mut Reader) -> Result<Header, GgufProblem> {
     }
     let n_tensors = r.u64("tensor count")?;
     let n_kv = r.u64("metadata count")?;
-    // A KV takes at least 8+4+1 bytes, a tensor info at least 8+4+4+8 bytes.
-    if n_kv > r.remaining() / 13 || n_tensors > r.remaining() / 24 {
-        return Err(GgufProblem::Overflow {
-            what: format!("{n_kv} metadata entries and {n_tensors} tensors cannot fit in {} bytes", r.len()),
+    // A KV takes at least 8+4+1 bytes and a tensor info at least 8+4+4+8: counts that cannot fit
+    // mean a cut file (or garbage), and must not drive allocations.
+    let need = n_kv.saturating_mul(13).saturating_add(n_tensors.saturating_mul(24));
+    if need > r.remaining() {
+        return Err(GgufProblem::Truncated {
+            what: format!("{n_kv} metadata entries and {n_tensors} tensor infos"),
+            offset: r.pos,
+            need,
+            len: r.len(),
         });
     }
 

@@ -65,16 +65,16 @@ impl Session {
     }
 
     fn check(&self, tokens: &[u32]) -> Result<(), SessionError> {
+        let n_vocab = self.model.config.n_vocab;
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(SessionError::BadToken { token, n_vocab });
+        }
         if tokens.len() > self.remaining() {
             return Err(SessionError::ContextFull {
                 needed: tokens.len(),
                 remaining: self.remaining(),
                 ctx: self.ctx(),
             });
-        }
-        let n_vocab = self.model.config.n_vocab;
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(SessionError::BadToken { token, n_vocab });
         }
         Ok(())
     }

@@ -81,6 +81,43 @@ impl Preset {
         }
     }
 
+    /// The real DeepSeek V4 Flash shape (ds4's constants). Its weights are tens of gigabytes, so
+    /// it is used for metadata and shape checks, not written by `ds4 synth`.
+    pub fn flash() -> Preset {
+        Preset {
+            name: "flash",
+            n_layer: 43,
+            n_embd: 4096,
+            n_vocab: 129280,
+            n_head: 64,
+            head_dim: 512,
+            n_rot: 64,
+            q_lora_rank: 1024,
+            o_lora_rank: 1024,
+            n_out_group: 8,
+            n_expert: 256,
+            n_expert_used: 6,
+            n_ff_exp: 2048,
+            n_hash_layer: 3,
+            n_swa: 128,
+            n_indexer_head: 64,
+            indexer_top_k: 512,
+            // ds4: layers 0-1 dense, then alternating ratio 4 (even) and ratio 128 (odd).
+            compress_ratios: (0..43)
+                .map(|il| {
+                    if il < 2 {
+                        0
+                    } else if il % 2 == 0 {
+                        4
+                    } else {
+                        128
+                    }
+                })
+                .collect(),
+            expert_types: (GgmlType::IQ2_XXS, GgmlType::Q2_K),
+        }
+    }
+
     pub fn by_name(name: &str) -> Option<Preset> {
         match name {
             "tiny" => Some(Self::tiny()),
@@ -188,9 +225,9 @@ impl Builder {
     }
 }
 
-/// Writes a complete GGUF image of the preset's shape.
-pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
-    let mut b = Builder { w: Writer::new(), seed };
+/// The preset's `deepseek4.*` metadata and a stand-in tokenizer, with no tensors.
+pub fn metadata(p: &Preset) -> Writer {
+    let mut w = Writer::new();
     let u = |v: usize| Value::U32(v as u32);
     let meta: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("deepseek4".into())),
@@ -232,12 +269,18 @@ pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
         ("deepseek4.expert_weights_norm", Value::Bool(true)),
     ];
     for (k, v) in meta {
-        b.w.set(k, v);
+        w.set(k, v);
     }
     let (tokens, merges) = crate::tokenizer::standin_vocab(p.n_vocab).expect("presets have at least 263 tokens");
-    b.w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
-    b.w.set("tokenizer.ggml.tokens", gguf::string_array(&tokens));
-    b.w.set("tokenizer.ggml.merges", gguf::string_array(&merges));
+    w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+    w.set("tokenizer.ggml.tokens", gguf::string_array(&tokens));
+    w.set("tokenizer.ggml.merges", gguf::string_array(&merges));
+    w
+}
+
+/// Writes a complete GGUF image of the preset's shape.
+pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
+    let mut b = Builder { w: metadata(p), seed };
 
     let (e, hc, mix) = (p.n_embd, 4 * p.n_embd, 8 + 16);
     let q_dim = p.n_head * p.head_dim;

@@ -442,7 +442,7 @@ impl<'a> Ctx<'a> {
             *w = probs.get(s as usize).copied().unwrap_or(0.0);
             sum += *w;
         }
-        let sum = sum.max(6.103515625e-5);
+        let sum = sum.max(6.103_515_6e-5); // 2^-14, ds4's floor
         for w in wv.iter_mut() {
             *w = *w / sum * scale;
         }
@@ -692,7 +692,7 @@ fn e2m1_round(x: f32) -> f32 {
     let mut best_diff = ax;
     for (i, &v) in E2M1.iter().enumerate().skip(1) {
         let d = (ax - v).abs();
-        if d < best_diff || (d == best_diff && i % 2 == 0 && best % 2 != 0) {
+        if d < best_diff || (d == best_diff && i % 2 == 0 && !best.is_multiple_of(2)) {
             best = i;
             best_diff = d;
         }
@@ -703,7 +703,7 @@ fn e2m1_round(x: f32) -> f32 {
 /// FP4 E2M1 round trip per 32 values with a power-of-two scale.
 fn fp4_round_trip(x: &mut [f32]) {
     for block in x.chunks_exact_mut(32) {
-        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(7.052966104933725e-38);
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(6.0 * f32::MIN_POSITIVE);
         let scale = (2.0f32).powi((amax / 6.0).log2().ceil() as i32);
         for v in block.iter_mut() {
             *v = e2m1_round((*v / scale).clamp(-6.0, 6.0)) * scale;

@@ -270,25 +270,25 @@ impl Config {
         if c.n_hc != 4 {
             return Err(format!("{ARCH}.hyper_connection.count is {}, the HC kernels need 4 streams", c.n_hc));
         }
-        if c.n_rot == 0 || c.n_rot % 2 != 0 || c.n_rot > c.head_dim {
+        if c.n_rot == 0 || !c.n_rot.is_multiple_of(2) || c.n_rot > c.head_dim {
             return Err(format!("rope.dimension_count {} must be even and at most key_length {}", c.n_rot, c.head_dim));
         }
-        if (c.head_dim - c.n_rot) % 64 != 0 {
+        if !(c.head_dim - c.n_rot).is_multiple_of(64) {
             return Err(format!(
                 "key_length - rope dims = {} must be a multiple of 64 (fp8 KV blocks of 64)",
                 c.head_dim - c.n_rot
             ));
         }
-        if c.n_head % c.n_out_group != 0 {
+        if !c.n_head.is_multiple_of(c.n_out_group) {
             return Err(format!(
                 "attention.head_count {} must divide into attention.output_group_count {} groups",
                 c.n_head, c.n_out_group
             ));
         }
-        if c.n_embd % 256 != 0 {
+        if !c.n_embd.is_multiple_of(256) {
             return Err(format!("embedding_length {} must be a multiple of 256 (Q8_K blocks)", c.n_embd));
         }
-        if c.n_ff_exp % 256 != 0 {
+        if !c.n_ff_exp.is_multiple_of(256) {
             return Err(format!("expert_feed_forward_length {} must be a multiple of 256 (Q8_K blocks)", c.n_ff_exp));
         }
         for (what, dim) in [

@@ -71,7 +71,7 @@ pub enum Cond {
 impl Cond {
     pub fn eval(&self, p: &StepParams) -> bool {
         match *self {
-            Cond::Emit { ratio } => (p.pos + 1) % ratio == 0,
+            Cond::Emit { ratio } => (p.pos + 1).is_multiple_of(ratio),
             Cond::IndexerActive { ratio, top_k } => (p.pos + 1) / ratio > top_k,
         }
     }
