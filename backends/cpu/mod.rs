@@ -48,7 +48,8 @@ impl Backend for CpuBackend {
                 DType::I32 => Data::I32(vec![0; d.len]),
             })
             .collect();
-        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs };
+        let vectors = vec![None; program.weights().len()];
+        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs, vectors };
         exe.reset()?;
         Ok(Box::new(exe))
     }
@@ -65,6 +66,7 @@ pub struct CpuExecutable {
     model: Arc<Model>,
     pool: Arc<rayon::ThreadPool>,
     bufs: Vec<Data>,
+    vectors: Vec<Option<Arc<[f32]>>>,
 }
 
 impl Executable for CpuExecutable {
@@ -74,7 +76,13 @@ impl Executable for CpuExecutable {
 
     fn step(&mut self, params: &StepParams) -> Result<(), BackendError> {
         let program = self.program.clone();
-        let mut ctx = ops::Ctx { program: &program, model: &self.model, bufs: &mut self.bufs, p: *params };
+        let mut ctx = ops::Ctx {
+            program: &program,
+            model: &self.model,
+            bufs: &mut self.bufs,
+            vectors: &mut self.vectors,
+            p: *params,
+        };
         self.pool.install(|| {
             for op in program.active_steps(params) {
                 ctx.run(op).map_err(|e| BackendError::new("cpu", format!("{}: {e}", op.name())))?;

@@ -1,6 +1,8 @@
 //! One function per op. The arithmetic follows ds4's CPU reference (`ds4.c`): f32 math with
 //! f64 sums of squares in RMS norms, Q8_0 / Q8_K activation quantization before integer dots.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use super::Data;
@@ -13,6 +15,8 @@ pub(crate) struct Ctx<'a> {
     pub program: &'a Program,
     pub model: &'a Model,
     pub bufs: &'a mut Vec<Data>,
+    /// Small weight vectors (norms, sinks, HC scales, ape), dequantized on first use.
+    pub vectors: &'a mut Vec<Option<Arc<[f32]>>>,
     pub p: StepParams,
 }
 
@@ -56,11 +60,16 @@ impl<'a> Ctx<'a> {
         let t = self.program.weight(id);
         (t, self.model.data(t))
     }
-    /// A small F32/F16 weight vector as f32 values.
-    fn wvec(&self, id: WeightId) -> Result<Vec<f32>, String> {
+    /// A small F32/F16 weight as f32 values, dequantized once per executable.
+    fn wvec(&mut self, id: WeightId) -> Result<Arc<[f32]>, String> {
+        if let Some(v) = &self.vectors[id.0 as usize] {
+            return Ok(v.clone());
+        }
         let (t, data) = self.w(id);
         let mut v = vec![0.0; t.elements() as usize];
         quant::dequantize_row(t.ty, data, &mut v).map_err(|e| format!("{}: {e}", t.name))?;
+        let v: Arc<[f32]> = v.into();
+        self.vectors[id.0 as usize] = Some(v.clone());
         Ok(v)
     }
 
@@ -247,7 +256,7 @@ impl<'a> Ctx<'a> {
             let ss: f64 = xr.iter().map(|&v| v as f64 * v as f64).sum();
             let scale = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
             match &w {
-                Some(w) => or.iter_mut().zip(xr).zip(w).for_each(|((o, &v), &g)| *o = v * scale * g),
+                Some(w) => or.iter_mut().zip(xr).zip(w.iter()).for_each(|((o, &v), &g)| *o = v * scale * g),
                 None => or.iter_mut().zip(xr).for_each(|(o, &v)| *o = v * scale),
             }
         }
@@ -353,7 +362,7 @@ impl<'a> Ctx<'a> {
     fn hc_head_weights(&mut self, pre: Buf, scale: WeightId, base: WeightId, out: Buf, eps: f32) -> R {
         let (scale, base) = (self.wvec(scale)?, self.wvec(base)?);
         let mut o = self.take(out);
-        for ((o, &p), &b) in o.iter_mut().zip(self.f(pre)).zip(&base) {
+        for ((o, &p), &b) in o.iter_mut().zip(self.f(pre)).zip(base.iter()) {
             *o = sigmoid(p * scale[0] + b) + eps;
         }
         self.put(out, o);
@@ -429,7 +438,7 @@ impl<'a> Ctx<'a> {
             None => {
                 let mut choice = probs.clone();
                 if let Some(b) = bias {
-                    for (c, b) in choice.iter_mut().zip(self.wvec(b)?) {
+                    for (c, b) in choice.iter_mut().zip(self.wvec(b)?.iter()) {
                         *c += b;
                     }
                 }
