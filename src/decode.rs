@@ -123,20 +123,7 @@ pub fn record_token(model: &Model, caps: Caps) -> Result<Program, String> {
         if let Some(cw) = &lw.compressor {
             let cap = caps.comp_cap(ratio);
             let cache = rec.state(&format!("blk.{il}.comp_kv"), DType::F32, (cap * hd) as usize, 0.0);
-            record_compressor(
-                &mut rec,
-                &mut s,
-                cw,
-                norm,
-                cache,
-                il,
-                ratio,
-                hd,
-                CompQuant::Fp8,
-                cfg.rope(il),
-                n_rot,
-                eps,
-            );
+            record_compressor(&mut rec, &mut s, cw, norm, cache, il, ratio, hd, CompQuant::Fp8, rope, n_rot, eps);
             comp = Some(cache);
             comp_rows = Bound { kind: BoundKind::CompRows { ratio }, cap };
         }
