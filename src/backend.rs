@@ -33,6 +33,11 @@ pub trait Executable {
     fn program(&self) -> &Arc<Program>;
     /// Runs one token with these parameters.
     fn step(&mut self, params: &StepParams) -> Result<(), BackendError>;
+    /// Runs only the recorded ops `ops` (by index) of a step, eagerly. For bisecting a difference
+    /// between backends (`ds4 check --bisect`); a normal token uses `step`.
+    fn step_ops(&mut self, params: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError>;
+    /// Overwrites a buffer (f32 values; I32 buffers take them as integers). For diagnostics.
+    fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError>;
     /// Copies the logits of the last step into `out` (resized to the vocabulary).
     fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError>;
     /// Reads any buffer as f32 values (I32 buffers are converted). For tests and diagnostics.
@@ -84,12 +89,14 @@ pub struct BackendOptions {
     pub threads: usize,
     /// CUDA: capture the token as one graph (true) or launch eagerly.
     pub graphs: bool,
+    /// CPU: the C library's exp/log1p (ds4's numbers) or the portable ones (the GPUs' numbers).
+    pub math: crate::math::MathMode,
 }
 
 /// Creates a backend of `kind`. A backend this build or machine lacks is an error that says so.
 pub fn create(kind: BackendKind, opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     match kind {
-        BackendKind::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend::new(opts.threads)?)),
+        BackendKind::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend::with_math(opts.threads, opts.math)?)),
         BackendKind::Wgpu => crate::backends::wgpu::create(opts),
         BackendKind::Cuda => crate::backends::cuda::create(opts),
     }

@@ -257,7 +257,7 @@ pub fn record_token(model: &Model, caps: Caps) -> Result<Program, String> {
     rec.push(Op::HcWeightedSum { hc: last, weights: hw, out: embd, n_hc });
     rec.push(Op::RmsNorm { x: embd, weight: Some(nw), out: onorm, n: n_embd as u32, rows: 1, eps });
     rec.push(Op::MatVec { w: ow, x: onorm, out: logits });
-    rec.finish(logits)
+    rec.finish(logits, caps.ctx)
 }
 
 /// One compressor lane: project kv and score, store them in the window state, and on an emit

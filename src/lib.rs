@@ -8,6 +8,7 @@ pub mod backend;
 pub mod backends;
 pub mod decode;
 pub mod gguf;
+pub mod math;
 pub mod model;
 pub mod quant;
 pub mod recorder;

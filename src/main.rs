@@ -51,6 +51,11 @@ enum Cmd {
         #[arg(long, default_value_t = EMBEDDED_SEED)]
         seed: u64,
     },
+    /// Compile the CUDA kernels with NVRTC for an architecture (needs libnvrtc, not a GPU).
+    Kernels {
+        #[arg(long, default_value = "sm_90")]
+        arch: String,
+    },
     /// Print the token ids of a text as a JSON array.
     Tokenize {
         #[arg(short, long)]
@@ -68,6 +73,12 @@ enum BackendArg {
     Cpu,
     Wgpu,
     Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum MathArg {
+    Libm,
+    Portable,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -93,6 +104,9 @@ struct ModelArgs {
     /// CPU worker threads (0: all cores).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// CPU exp/log1p: `libm` gives ds4's own numbers, `portable` the GPU backends' numbers.
+    #[arg(long, value_enum, default_value_t = MathArg::Libm)]
+    math: MathArg,
     /// Context length in tokens.
     #[arg(short, long, default_value_t = 32768)]
     ctx: usize,
@@ -169,7 +183,7 @@ struct RunArgs {
     /// Keep generating past the end-of-sentence token.
     #[arg(long)]
     ignore_eos: bool,
-    /// Write one row of little-endian f32 logits per fed token (steps x vocab).
+    /// Write one row of little-endian f32 logits per fed token, prompt and generated (steps x vocab).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
 }
@@ -193,6 +207,17 @@ struct CheckArgs {
     /// Largest allowed |logit difference|.
     #[arg(long, default_value_t = 0.01)]
     tolerance: f32,
+    /// Find the first op whose buffers differ between the two backends at this position
+    /// (the token ids, or zeros, are fed before it). Needs --against, not --logits.
+    #[arg(long)]
+    bisect: Option<usize>,
+    /// With --bisect: print the largest difference after every op.
+    #[arg(long)]
+    trace: bool,
+    /// With --bisect: run each op on both backends from the same inputs (copied from --against)
+    /// and print each op's own difference.
+    #[arg(long)]
+    isolate: bool,
 }
 
 #[derive(Args)]
@@ -216,6 +241,7 @@ fn main() {
         Cmd::Inspect { model } => cmd_inspect(&model),
         Cmd::Synth { preset, out, seed } => cmd_synth(&preset, &out, seed),
         Cmd::Tokenize { model, prompt, prompt_file } => cmd_tokenize(&model, prompt, prompt_file),
+        Cmd::Kernels { arch } => cmd_kernels(&arch),
     };
     if let Err(e) = r {
         eprintln!("ds4: error: {e:#}");
@@ -285,7 +311,11 @@ fn backend_kind(b: BackendArg) -> Option<BackendKind> {
 
 /// The backend asked for; `auto` takes the first of cuda, wgpu, cpu that this build and machine offer.
 fn make_backend(m: &ModelArgs, which: BackendArg) -> Result<Box<dyn Backend>> {
-    let opts = BackendOptions { threads: m.threads, graphs: m.graphs == OnOff::On };
+    let math = match m.math {
+        MathArg::Libm => ds4::math::MathMode::Libm,
+        MathArg::Portable => ds4::math::MathMode::Portable,
+    };
+    let opts = BackendOptions { threads: m.threads, graphs: m.graphs == OnOff::On, math };
     match backend_kind(which) {
         Some(kind) => Ok(backend::create(kind, opts)?),
         None => {
@@ -392,7 +422,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         n_gen
     };
 
-    // Prefill. With --dump-logits every fed token's logits are kept.
+    // Prefill. With --dump-logits the logits after every fed token are kept (prompt and generated).
     let t_prefill = Instant::now();
     let mut dump = a.dump_logits.as_ref().map(|_| Vec::<u8>::new());
     let pb = if input.len() >= 64 { ProgressBar::new(input.len() as u64) } else { ProgressBar::hidden() };
@@ -409,10 +439,6 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     }
     pb.finish_and_clear();
     let prefill_time = t_prefill.elapsed();
-    if let (Some(path), Some(buf)) = (&a.dump_logits, &dump) {
-        std::fs::write(path, buf).with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("ds4: wrote {} x {} logits to {}", input.len(), logits.len(), path.display());
-    }
 
     // Decode.
     let temperature = a.temp.unwrap_or(if raw_ids { 0.0 } else { 1.0 });
@@ -439,6 +465,9 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         if i + 1 < n_gen {
             logits = session.eval(next)?.to_vec();
             fed_after_first += 1;
+            if let Some(buf) = dump.as_mut() {
+                buf.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+            }
         }
     }
     write!(out, "{}", text.finish())?;
@@ -446,6 +475,11 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         writeln!(out)?;
     }
     let decode_time = t_decode.elapsed();
+    if let (Some(path), Some(buf)) = (&a.dump_logits, &dump) {
+        std::fs::write(path, buf).with_context(|| format!("cannot write {}", path.display()))?;
+        let rows = buf.len() / 4 / logits.len().max(1);
+        eprintln!("ds4: wrote {rows} x {} logits (one row per fed token) to {}", logits.len(), path.display());
+    }
     eprintln!(
         "ds4: prefill {} tokens in {:.3} s ({:.1} tok/s); decode {generated} tokens in {:.3} s ({:.1} tok/s)",
         input.len(),
@@ -478,6 +512,13 @@ fn cmd_check(a: CheckArgs) -> Result<()> {
         }
     };
     let token_ids = a.token_ids.as_ref().map(|l| &l.0);
+    if let (Some(pos), Some(o)) = (a.bisect, other.as_mut()) {
+        let ids = token_ids.map_or(&[][..], |t| &t[..]);
+        if a.isolate {
+            return isolate_ops(o, &mut session, ids, pos);
+        }
+        return bisect(&mut session, o, ids, pos, a.tolerance, a.trace);
+    }
     let steps = match (token_ids, &reference) {
         (Some(t), _) => t.len(),
         (None, Some(r)) => r.len() / n_vocab,
@@ -506,6 +547,93 @@ fn cmd_check(a: CheckArgs) -> Result<()> {
     println!("worst {worst:.3e} over {steps} steps; {bad} steps above {}", a.tolerance);
     if bad > 0 {
         bail!("{bad} of {steps} steps differ by more than {}", a.tolerance);
+    }
+    Ok(())
+}
+
+/// Reruns position `pos` op by op on both sessions and reports the first op after which some
+/// buffer differs by more than `tol`; with `trace`, the largest difference after every op.
+fn bisect(a: &mut Session, b: &mut Session, ids: &[u32], pos: usize, tol: f32, trace: bool) -> Result<()> {
+    let program = a.program().clone();
+    let token = |p: usize| ds4::recorder::StepParams::new(ids.get(p).copied().unwrap_or(0), p as u32);
+    for k in 1..=program.steps().len() {
+        for s in [&mut *a, &mut *b] {
+            s.reset()?;
+            let exe = s.executable();
+            for p in 0..pos {
+                exe.step(&token(p))?;
+            }
+            exe.step_ops(&token(pos), 0..k)?;
+        }
+        let mut worst: Vec<(f32, String)> = Vec::new();
+        for (i, d) in program.buffers().iter().enumerate() {
+            let buf = ds4::recorder::Buf(i as u32);
+            let (x, y) = (a.executable().read_buffer(buf)?, b.executable().read_buffer(buf)?);
+            let diff = x.iter().zip(&y).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+            let diff = if diff.is_nan() || x.iter().chain(&y).any(|v| v.is_nan()) { f32::INFINITY } else { diff };
+            worst.push((diff, d.name.clone()));
+        }
+        worst.sort_by(|p, q| q.0.total_cmp(&p.0));
+        let st = &program.steps()[k - 1];
+        if trace {
+            println!("op #{:3} {:18} worst {:.3e} in {}", k - 1, st.op.name(), worst[0].0, worst[0].1);
+        }
+        if worst[0].0 > tol {
+            println!("first difference after op #{} {} (cond {:?}) at position {pos}:", k - 1, st.op.name(), st.cond);
+            println!("  {:?}", st.op);
+            for (d, name) in worst.iter().take(8) {
+                println!("  buffer {name}: max |diff| {d:.3e}");
+            }
+            bail!("the backends differ from op #{}", k - 1);
+        }
+    }
+    println!("all {} ops agree within {tol} at position {pos}", program.steps().len());
+    Ok(())
+}
+
+/// Runs every op of position `pos` on both sessions from identical inputs: the reference `r`
+/// computes everything up to the op, its buffers are copied into `t`, then both run the op alone.
+fn isolate_ops(r: &mut Session, t: &mut Session, ids: &[u32], pos: usize) -> Result<()> {
+    let program = r.program().clone();
+    let token = |p: usize| ds4::recorder::StepParams::new(ids.get(p).copied().unwrap_or(0), p as u32);
+    let n_bufs = program.buffers().len();
+    r.reset()?;
+    for p in 0..pos {
+        r.executable().step(&token(p))?;
+    }
+    for (k, st) in program.steps().iter().enumerate() {
+        let before: Vec<Vec<f32>> =
+            (0..n_bufs).map(|i| r.executable().read_buffer(ds4::recorder::Buf(i as u32))).collect::<Result<_, _>>()?;
+        for (i, v) in before.iter().enumerate() {
+            t.executable().write_buffer(ds4::recorder::Buf(i as u32), v)?;
+        }
+        r.executable().step_ops(&token(pos), k..k + 1)?;
+        t.executable().step_ops(&token(pos), k..k + 1)?;
+        let mut worst = (0.0f32, 0.0f32, String::new());
+        for (i, d) in program.buffers().iter().enumerate() {
+            let buf = ds4::recorder::Buf(i as u32);
+            let (x, y) = (r.executable().read_buffer(buf)?, t.executable().read_buffer(buf)?);
+            if x == before[i] && y == before[i] {
+                continue;
+            }
+            let diff =
+                x.iter()
+                    .zip(&y)
+                    .fold(0.0f32, |m, (p, q)| if (p - q).abs() > m || (p - q).is_nan() { (p - q).abs() } else { m });
+            let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if diff.is_nan() || diff > worst.0 || worst.2.is_empty() {
+                worst = (diff, scale, d.name.clone());
+            }
+        }
+        let active = st.cond.is_none_or(|c| c.eval(&token(pos)));
+        println!(
+            "op #{k:3} {:18}{} max |diff| {:.3e} (max |value| {:.3e}) in {}",
+            st.op.name(),
+            if active { "" } else { " (skipped)" },
+            worst.0,
+            worst.1,
+            worst.2
+        );
     }
     Ok(())
 }
@@ -615,5 +743,12 @@ fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBu
     let file = gguf::File::open(model)?;
     let tok = Tokenizer::from_gguf(&file)?;
     println!("{}", serde_json::to_string(&tok.encode(&text))?);
+    Ok(())
+}
+
+fn cmd_kernels(arch: &str) -> Result<()> {
+    let t0 = Instant::now();
+    let bytes = ds4::backends::cuda::compile_kernels(arch)?;
+    println!("compiled the CUDA kernels for {arch}: {bytes} bytes of PTX in {:.2} s", t0.elapsed().as_secs_f64());
     Ok(())
 }

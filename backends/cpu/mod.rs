@@ -6,22 +6,29 @@ mod ops;
 use std::sync::Arc;
 
 use crate::backend::{Backend, BackendError, Executable};
+use crate::math::MathMode;
 use crate::model::Model;
 use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
 
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
+    math: MathMode,
 }
 
 impl CpuBackend {
-    /// `threads == 0` uses every core.
+    /// `threads == 0` uses every core. Uses the C library's `exp`/`log1p`, like ds4.
     pub fn new(threads: usize) -> Result<Self, BackendError> {
+        Self::with_math(threads, MathMode::Libm)
+    }
+
+    /// With `MathMode::Portable`, the results match the GPU backends bit for bit.
+    pub fn with_math(threads: usize, math: MathMode) -> Result<Self, BackendError> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("ds4-cpu-{i}"))
             .build()
             .map_err(|e| BackendError::new("cpu", format!("cannot start worker threads: {e}")))?;
-        Ok(CpuBackend { pool: Arc::new(pool) })
+        Ok(CpuBackend { pool: Arc::new(pool), math })
     }
 
     pub fn threads(&self) -> usize {
@@ -49,7 +56,8 @@ impl Backend for CpuBackend {
             })
             .collect();
         let vectors = vec![None; program.weights().len()];
-        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs, vectors };
+        let math = ops::Math::new(self.math);
+        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs, vectors, math };
         exe.reset()?;
         Ok(Box::new(exe))
     }
@@ -67,6 +75,7 @@ pub struct CpuExecutable {
     pool: Arc<rayon::ThreadPool>,
     bufs: Vec<Data>,
     vectors: Vec<Option<Arc<[f32]>>>,
+    math: ops::Math,
 }
 
 impl Executable for CpuExecutable {
@@ -75,6 +84,10 @@ impl Executable for CpuExecutable {
     }
 
     fn step(&mut self, params: &StepParams) -> Result<(), BackendError> {
+        self.step_ops(params, 0..usize::MAX)
+    }
+
+    fn step_ops(&mut self, params: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
         let program = self.program.clone();
         let mut ctx = ops::Ctx {
             program: &program,
@@ -82,10 +95,13 @@ impl Executable for CpuExecutable {
             bufs: &mut self.bufs,
             vectors: &mut self.vectors,
             p: *params,
+            math: self.math,
         };
         self.pool.install(|| {
-            for op in program.active_steps(params) {
-                ctx.run(op).map_err(|e| BackendError::new("cpu", format!("{}: {e}", op.name())))?;
+            for s in program.steps().iter().take(ops.end).skip(ops.start) {
+                if s.cond.is_none_or(|c| c.eval(params)) {
+                    ctx.run(&s.op).map_err(|e| BackendError::new("cpu", format!("{}: {e}", s.op.name())))?;
+                }
             }
             Ok(())
         })
@@ -102,6 +118,15 @@ impl Executable for CpuExecutable {
             Some(Data::I32(v)) => Ok(v.iter().map(|&x| x as f32).collect()),
             None => Err(BackendError::new("cpu", format!("no buffer {}", buf.0))),
         }
+    }
+
+    fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError> {
+        match self.bufs.get_mut(buf.0 as usize) {
+            Some(Data::F32(v)) if v.len() == data.len() => v.copy_from_slice(data),
+            Some(Data::I32(v)) if v.len() == data.len() => v.iter_mut().zip(data).for_each(|(d, &x)| *d = x as i32),
+            _ => return Err(BackendError::new("cpu", format!("buffer {} does not take {} values", buf.0, data.len()))),
+        }
+        Ok(())
     }
 
     fn reset(&mut self) -> Result<(), BackendError> {

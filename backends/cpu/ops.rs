@@ -7,9 +7,26 @@ use rayon::prelude::*;
 
 use super::Data;
 use crate::gguf::TensorInfo;
+use crate::math::{self, MathMode};
 use crate::model::{Model, RopeParams};
 use crate::quant::{self, BlockQ8K, GgmlType, QK_K};
 use crate::recorder::{Buf, Op, Program, RopePos, StepParams, WeightId};
+
+/// The `exp` and `log1p` the ops use (see `crate::math`).
+#[derive(Clone, Copy)]
+pub(crate) struct Math {
+    pub exp: fn(f32) -> f32,
+    pub ln_1p: fn(f32) -> f32,
+}
+
+impl Math {
+    pub fn new(mode: MathMode) -> Math {
+        match mode {
+            MathMode::Libm => Math { exp: f32::exp, ln_1p: f32::ln_1p },
+            MathMode::Portable => Math { exp: math::exp_f32, ln_1p: math::ln_1p_f32 },
+        }
+    }
+}
 
 pub(crate) struct Ctx<'a> {
     pub program: &'a Program,
@@ -18,6 +35,7 @@ pub(crate) struct Ctx<'a> {
     /// Small weight vectors (norms, sinks, HC scales, ape), dequantized on first use.
     pub vectors: &'a mut Vec<Option<Arc<[f32]>>>,
     pub p: StepParams,
+    pub math: Math,
 }
 
 type R = Result<(), String>;
@@ -122,7 +140,14 @@ impl<'a> Ctx<'a> {
             }
             Op::CompressorPool { state_kv, state_score, out, head_dim, ratio } => {
                 let mut o = self.take(out);
-                compressor_pool(&mut o, self.f(state_kv), self.f(state_score), head_dim as usize, ratio as usize);
+                compressor_pool(
+                    self.math,
+                    &mut o,
+                    self.f(state_kv),
+                    self.f(state_score),
+                    head_dim as usize,
+                    ratio as usize,
+                );
                 self.put(out, o);
                 Ok(())
             }
@@ -189,6 +214,7 @@ impl<'a> Ctx<'a> {
                 let mut o = self.take(out);
                 let (qv, rv) = (self.f(q), self.f(raw));
                 let cv = comp.map(|c| self.f(c)).unwrap_or(&[]);
+                let m = self.math;
                 o.par_chunks_mut(hd).take(n_head as usize).enumerate().for_each(|(h, oh)| {
                     let kv = |&(is_comp, r): &(bool, usize)| {
                         if is_comp {
@@ -197,7 +223,7 @@ impl<'a> Ctx<'a> {
                             &rv[r * hd..(r + 1) * hd]
                         }
                     };
-                    attention_head(oh, &qv[h * hd..(h + 1) * hd], sinks[h], rows.iter().map(kv));
+                    attention_head(m, oh, &qv[h * hd..(h + 1) * hd], sinks[h], rows.iter().map(kv));
                 });
                 self.put(out, o);
                 Ok(())
@@ -211,7 +237,7 @@ impl<'a> Ctx<'a> {
             Op::SwiGlu { gate, up, out, clamp } => {
                 let mut o = self.take(out);
                 for ((o, &g), &u) in o.iter_mut().zip(self.f(gate)).zip(self.f(up)) {
-                    *o = swiglu(g, u, clamp);
+                    *o = swiglu(self.math, g, u, clamp);
                 }
                 self.put(out, o);
                 Ok(())
@@ -319,7 +345,7 @@ impl<'a> Ctx<'a> {
     ) -> R {
         let (scale, base) = (self.wvec(scale)?, self.wvec(base)?);
         let mut o = self.take(split);
-        hc_split_sinkhorn(&mut o, self.f(mix), &scale, &base, n_hc as usize, iters as usize, eps);
+        hc_split_sinkhorn(self.math, &mut o, self.f(mix), &scale, &base, n_hc as usize, iters as usize, eps);
         self.put(split, o);
         Ok(())
     }
@@ -363,7 +389,7 @@ impl<'a> Ctx<'a> {
         let (scale, base) = (self.wvec(scale)?, self.wvec(base)?);
         let mut o = self.take(out);
         for ((o, &p), &b) in o.iter_mut().zip(self.f(pre)).zip(base.iter()) {
-            *o = sigmoid(p * scale[0] + b) + eps;
+            *o = sigmoid(self.math, p * scale[0] + b) + eps;
         }
         self.put(out, o);
         Ok(())
@@ -420,7 +446,7 @@ impl<'a> Ctx<'a> {
         n_used: usize,
         scale: f32,
     ) -> R {
-        let probs: Vec<f32> = self.f(logits).iter().map(|&l| softplus(l).sqrt()).collect();
+        let probs: Vec<f32> = self.f(logits).iter().map(|&l| softplus(self.math, l).sqrt()).collect();
         let mut sel = self.take_i(selected);
         match hash {
             Some(h) => {
@@ -479,6 +505,7 @@ impl<'a> Ctx<'a> {
         if let Some(&bad) = sel.iter().find(|&&e| e >= n_expert) {
             return Err(format!("expert id {bad} outside 0..{n_expert}"));
         }
+        let math = self.math;
         let ew = self.f(weights).to_vec();
         let mut xq = vec![BlockQ8K::default(); in_dim / QK_K];
         quant::quantize_q8_k(self.f(x), &mut xq);
@@ -493,7 +520,7 @@ impl<'a> Ctx<'a> {
                     let r = c * ROWS_PER_TASK + k;
                     let g = gdot(&gd[g_base + r * g_rb..g_base + (r + 1) * g_rb], &xq);
                     let u = udot(&ud[u_base + r * u_rb..u_base + (r + 1) * u_rb], &xq);
-                    *v = swiglu(g, u, clamp) * ew[i];
+                    *v = swiglu(math, g, u, clamp) * ew[i];
                 }
             });
         });
@@ -533,40 +560,50 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0.0f32, |acc, (&x, &y)| acc + x * y)
 }
 
-fn sigmoid(x: f32) -> f32 {
+fn sigmoid(m: Math, x: f32) -> f32 {
     if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
+        1.0 / (1.0 + (m.exp)(-x))
     } else {
-        let e = x.exp();
+        let e = (m.exp)(x);
         e / (1.0 + e)
     }
 }
 
-fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
+fn silu(m: Math, x: f32) -> f32 {
+    x * sigmoid(m, x)
 }
 
-fn softplus(x: f32) -> f32 {
+fn softplus(m: Math, x: f32) -> f32 {
     if x > 20.0 {
         x
     } else if x < -20.0 {
-        x.exp()
+        (m.exp)(x)
     } else {
-        x.exp().ln_1p()
+        (m.ln_1p)((m.exp)(x))
     }
 }
 
 /// SwiGLU with ds4's clamp: the gate only from above, the up both ways.
-fn swiglu(g: f32, u: f32, clamp: f32) -> f32 {
+fn swiglu(m: Math, g: f32, u: f32, clamp: f32) -> f32 {
     let (g, u) = if clamp > 1e-6 { (g.min(clamp), u.clamp(-clamp, clamp)) } else { (g, u) };
-    silu(g) * u
+    silu(m, g) * u
 }
 
 /// `out = [pre | post | comb]`: sigmoid gates and a Sinkhorn-normalized combine matrix.
-fn hc_split_sinkhorn(out: &mut [f32], mix: &[f32], scale: &[f32], base: &[f32], n: usize, iters: usize, eps: f32) {
+#[allow(clippy::too_many_arguments)]
+fn hc_split_sinkhorn(
+    m: Math,
+    out: &mut [f32],
+    mix: &[f32],
+    scale: &[f32],
+    base: &[f32],
+    n: usize,
+    iters: usize,
+    eps: f32,
+) {
     for i in 0..n {
-        out[i] = 1.0 / (1.0 + (-(mix[i] * scale[0] + base[i])).exp()) + eps;
-        out[n + i] = 2.0 / (1.0 + (-(mix[n + i] * scale[1] + base[n + i])).exp());
+        out[i] = 1.0 / (1.0 + (m.exp)(-(mix[i] * scale[0] + base[i]))) + eps;
+        out[n + i] = 2.0 / (1.0 + (m.exp)(-(mix[n + i] * scale[1] + base[n + i])));
     }
     // c[src + dst*n]: softmax over src for each dst, plus eps.
     let mut c = vec![0f32; n * n];
@@ -579,7 +616,7 @@ fn hc_split_sinkhorn(out: &mut [f32], mix: &[f32], scale: &[f32], base: &[f32], 
         let max = row.iter().fold(-1.0e30f32, |m, &v| m.max(v));
         let mut sum = 0.0f32;
         for v in row.iter_mut() {
-            *v = (*v - max).exp();
+            *v = (m.exp)(*v - max);
             sum += *v;
         }
         let inv = 1.0 / sum;
@@ -613,36 +650,16 @@ fn hc_split_sinkhorn(out: &mut [f32], mix: &[f32], scale: &[f32], base: &[f32], 
     out[2 * n..2 * n + n * n].copy_from_slice(&c);
 }
 
-/// RoPE on one head's tail (`x.len() == n_rot`), with ds4's YaRN handling.
+/// RoPE on one head's tail (`x.len() == n_rot`); `inverse` rotates the other way.
 fn rope_tail(x: &mut [f32], pos: u32, r: &RopeParams, inverse: bool) {
-    let n_rot = x.len();
-    let theta_scale = r.freq_base.powf(-2.0 / n_rot as f32);
-    let sin_sign = if inverse { -1.0 } else { 1.0 };
-    let mut corr = [0.0f32; 2];
-    if r.ext_factor != 0.0 {
-        let corr_dim = |beta: f32| {
-            n_rot as f32 * (r.n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * r.freq_base.ln())
-        };
-        corr[0] = corr_dim(r.beta_fast).floor().max(0.0);
-        corr[1] = corr_dim(r.beta_slow).ceil().min(n_rot as f32 - 1.0);
-    }
-    let mut theta_extrap = pos as f32;
-    for i in (0..n_rot).step_by(2) {
-        let theta_interp = r.freq_scale * theta_extrap;
-        let mut theta = theta_interp;
-        let mut mscale = r.attn_factor;
-        if r.ext_factor != 0.0 {
-            let y = ((i / 2) as f32 - corr[0]) / (corr[1] - corr[0]).max(0.001);
-            let ramp = (1.0 - y.clamp(0.0, 1.0)) * r.ext_factor;
-            theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
-            mscale *= 1.0 + 0.1 * (1.0 / r.freq_scale).ln();
-        }
-        let c = theta.cos() * mscale;
-        let s = sin_sign * theta.sin() * mscale;
-        let (x0, x1) = (x[i], x[i + 1]);
-        x[i] = x0 * c - x1 * s;
-        x[i + 1] = x0 * s + x1 * c;
-        theta_extrap *= theta_scale;
+    let mut cs = [(0.0f32, 0.0f32); 256];
+    let pairs = &mut cs[..x.len() / 2];
+    r.cos_sin(pos, x.len(), pairs);
+    for (k, &(c, s)) in pairs.iter().enumerate() {
+        let s = if inverse { -s } else { s };
+        let (x0, x1) = (x[2 * k], x[2 * k + 1]);
+        x[2 * k] = x0 * c - x1 * s;
+        x[2 * k + 1] = x0 * s + x1 * c;
     }
 }
 
@@ -740,7 +757,7 @@ fn hadamard128(x: &mut [f32]) {
 
 /// Softmax-pools the compressor window per dim. Ratio 4 mixes the previous lane's first half
 /// (rows 0..4) with the current lane's second half (rows 4..8).
-fn compressor_pool(out: &mut [f32], kv: &[f32], score: &[f32], head_dim: usize, ratio: usize) {
+fn compressor_pool(m: Math, out: &mut [f32], kv: &[f32], score: &[f32], head_dim: usize, ratio: usize) {
     let width = if ratio == 4 { 2 * head_dim } else { head_dim };
     let lanes: Vec<usize> = if ratio == 4 {
         (0..4).map(|r| r * width).chain((4..8).map(|r| r * width + head_dim)).collect()
@@ -758,14 +775,14 @@ fn compressor_pool(out: &mut [f32], kv: &[f32], score: &[f32], head_dim: usize, 
             // ds4 interleaves the two lanes' terms in its sums.
             for r in 0..4 {
                 let (bp, bc) = (lanes[r], lanes[4 + r]);
-                let (wp, wc) = ((score[bp + j] - max).exp(), (score[bc + j] - max).exp());
+                let (wp, wc) = ((m.exp)(score[bp + j] - max), (m.exp)(score[bc + j] - max));
                 denom += wp + wc;
                 sum += wp * kv[bp + j];
                 sum += wc * kv[bc + j];
             }
         } else {
             for &b in &lanes {
-                let w = (score[b + j] - max).exp();
+                let w = (m.exp)(score[b + j] - max);
                 denom += w;
                 sum += w * kv[b + j];
             }
@@ -775,14 +792,14 @@ fn compressor_pool(out: &mut [f32], kv: &[f32], score: &[f32], head_dim: usize, 
 }
 
 /// One head of sink attention over `rows` (K == V).
-fn attention_head<'r>(out: &mut [f32], q: &[f32], sink: f32, rows: impl Iterator<Item = &'r [f32]> + Clone) {
+fn attention_head<'r>(m: Math, out: &mut [f32], q: &[f32], sink: f32, rows: impl Iterator<Item = &'r [f32]> + Clone) {
     let kq_scale = 1.0 / (q.len() as f32).sqrt();
     let scores: Vec<f32> = rows.clone().map(|k| dot_f32(q, k) * kq_scale).collect();
     let max = scores.iter().fold(sink, |m, &s| m.max(s));
     out.fill(0.0);
-    let mut denom = (sink - max).exp();
+    let mut denom = (m.exp)(sink - max);
     for (k, &s) in rows.zip(&scores) {
-        let w = (s - max).exp();
+        let w = (m.exp)(s - max);
         denom += w;
         for (o, &v) in out.iter_mut().zip(k) {
             *o += w * v;
@@ -858,7 +875,7 @@ mod tests {
     fn sinkhorn_is_doubly_stochastic() {
         let mix: Vec<f32> = (0..24).map(|i| ((i * 7) % 11) as f32 * 0.3 - 1.0).collect();
         let mut out = vec![0f32; 24];
-        hc_split_sinkhorn(&mut out, &mix, &[1.0, 1.0, 1.0], &[0.0; 24], 4, 20, 1e-6);
+        hc_split_sinkhorn(Math::new(MathMode::Libm), &mut out, &mix, &[1.0, 1.0, 1.0], &[0.0; 24], 4, 20, 1e-6);
         let c = &out[8..];
         for k in 0..4 {
             let rows: f32 = (0..4).map(|j| c[k + j * 4]).sum();

@@ -1,14 +1,444 @@
-//! The CUDA backend (NVRTC kernels, one captured graph per token). Its kernels are not written
-//! yet: asking for it is an error that says so, rather than a silent fallback.
-
-use crate::backend::{Backend, BackendError, BackendOptions};
+//! The CUDA backend: kernels from `kernels/*.cu` compiled at run time by NVRTC, driven by cudarc.
+//! The recorded token becomes a fixed list of launches on one non-default stream. With graphs on,
+//! the first token runs eagerly (warm-up), then the whole token is captured once as a CUDA graph
+//! and replayed for every token; any capture or launch failure falls back to eager launches for
+//! that token and the ones after it, without losing the token.
 
 #[cfg(feature = "cuda")]
-pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
-    Err(BackendError::new("cuda", "its CUDA kernels are not implemented yet in this version of ds4"))
-}
+mod plan;
+
+use crate::backend::{Backend, BackendError, BackendOptions};
 
 #[cfg(not(feature = "cuda"))]
 pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     Err(BackendError::new("cuda", "ds4 was built without the `cuda` feature"))
+}
+
+#[cfg(feature = "cuda")]
+pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
+    Ok(Box::new(imp::CudaBackend::new(opts.graphs)?))
+}
+
+#[cfg(feature = "cuda")]
+pub use imp::{CudaBackend, CudaExecutable};
+
+/// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX size in bytes.
+/// Needs libnvrtc but no GPU.
+#[cfg(feature = "cuda")]
+pub fn compile_kernels(arch: &str) -> Result<usize, BackendError> {
+    // SAFETY: only tries to load the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(BackendError::new("cuda", "no NVRTC library (libnvrtc, CUDA 13) on this machine"));
+    }
+    imp::compile_kernels(arch).map(|ptx| ptx.to_src().len())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn compile_kernels(_arch: &str) -> Result<usize, BackendError> {
+    Err(BackendError::new("cuda", "ds4 was built without the `cuda` feature"))
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::ffi::c_void;
+    use std::sync::Arc;
+
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use cudarc::driver::{result, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+    use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+    use super::plan::{self, Arg, SCRATCH_KINDS};
+    use crate::backend::{Backend, BackendError, Executable};
+    use crate::model::Model;
+    use crate::quant::IQ2XXS_GRID;
+    use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
+
+    /// Kernel sources, compiled together as one NVRTC program.
+    const SOURCES: [&str; 10] = [
+        include_str!("../../kernels/common.cuh"),
+        include_str!("../../kernels/norm.cu"),
+        include_str!("../../kernels/matvec.cu"),
+        include_str!("../../kernels/hc.cu"),
+        include_str!("../../kernels/rope.cu"),
+        include_str!("../../kernels/kv.cu"),
+        include_str!("../../kernels/indexer.cu"),
+        include_str!("../../kernels/attention.cu"),
+        include_str!("../../kernels/moe.cu"),
+        include_str!("../../kernels/elementwise.cu"),
+    ];
+
+    const ALIGN: usize = 256;
+
+    fn err(msg: impl Into<String>) -> BackendError {
+        BackendError::new("cuda", msg)
+    }
+
+    fn drv(what: &str) -> impl Fn(result::DriverError) -> BackendError + '_ {
+        move |e| err(format!("{what}: {e}"))
+    }
+
+    /// The full kernel source (also used by the compile check in `scripts/`).
+    pub fn kernel_source() -> String {
+        SOURCES.join("\n")
+    }
+
+    /// Compiles the kernels for an `sm_XY` architecture.
+    pub fn compile_kernels(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+        let opts = CompileOptions {
+            // Keep a*b+c as two roundings, as the CPU reference computes it.
+            fmad: Some(false),
+            options: vec![format!("--gpu-architecture={arch}")],
+            name: Some("ds4_kernels.cu".into()),
+            ..Default::default()
+        };
+        compile_ptx_with_opts(kernel_source(), opts)
+            .map_err(|e| err(format!("NVRTC failed to compile the kernels: {e}")))
+    }
+
+    pub struct CudaBackend {
+        ctx: Arc<CudaContext>,
+        graphs: bool,
+    }
+
+    impl CudaBackend {
+        pub fn new(graphs: bool) -> Result<Self, BackendError> {
+            // SAFETY: these only try to load the libraries; nothing else is called before.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(err("no CUDA driver (libcuda) on this machine"));
+            }
+            if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return Err(err("no NVRTC library (libnvrtc, CUDA 13) on this machine"));
+            }
+            let n = CudaContext::device_count().map_err(drv("cannot count CUDA devices"))?;
+            if n < 1 {
+                return Err(err("no CUDA device found"));
+            }
+            let ctx = CudaContext::new(0).map_err(drv("cannot open CUDA device 0"))?;
+            Ok(CudaBackend { ctx, graphs })
+        }
+    }
+
+    impl Backend for CudaBackend {
+        fn name(&self) -> &'static str {
+            "cuda"
+        }
+
+        fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
+            CudaExecutable::new(self.ctx.clone(), program, model, self.graphs)
+                .map(|e| Box::new(e) as Box<dyn Executable>)
+        }
+    }
+
+    /// A launch with device addresses resolved: argument values in 8-byte slots (4-byte values
+    /// in the low half, which is where a little-endian kernel reads them).
+    struct Resolved {
+        op: usize,
+        func: CudaFunction,
+        grid: u32,
+        block: u32,
+        slots: Vec<u64>,
+    }
+
+    enum GraphState {
+        /// Graphs off: every token launches eagerly.
+        Off,
+        /// Graphs on, nothing captured yet: the next token runs eagerly, then the token is captured.
+        WarmUp,
+        Ready(CudaGraph),
+        /// Capture or launch failed once: eager from then on.
+        Failed,
+    }
+
+    pub struct CudaExecutable {
+        program: Arc<Program>,
+        stream: Arc<CudaStream>,
+        _weights: Vec<CudaSlice<u8>>,
+        arena: CudaSlice<u8>,
+        params: CudaSlice<u32>,
+        /// Byte offset of each program buffer in the arena.
+        offsets: Vec<usize>,
+        launches: Vec<Resolved>,
+        graph: GraphState,
+        fill: CudaFunction,
+    }
+
+    impl CudaExecutable {
+        fn new(
+            ctx: Arc<CudaContext>,
+            program: Arc<Program>,
+            model: Arc<Model>,
+            graphs: bool,
+        ) -> Result<Self, BackendError> {
+            ctx.bind_to_thread().map_err(drv("cannot bind the CUDA context"))?;
+            // cudarc's per-allocation events would end up inside the captured graph.
+            // SAFETY: set before any allocation, and every launch goes through one stream.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.new_stream().map_err(drv("cannot create a stream"))?;
+
+            let plan = plan::plan(&program).map_err(err)?;
+            let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
+            let ptx = compile_kernels(&format!("sm_{major}{minor}"))?;
+            let module = ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))?;
+
+            // Arena layout: program buffers, then backend scratch.
+            let mut offsets = Vec::with_capacity(program.buffers().len());
+            let mut size = 0usize;
+            for b in program.buffers() {
+                offsets.push(size);
+                size += (b.len * 4).div_ceil(ALIGN) * ALIGN;
+            }
+            let mut scratch_off = Vec::new();
+            for kind in SCRATCH_KINDS {
+                let bytes = plan.scratch.iter().find(|(k, _)| *k == kind).map_or(0, |&(_, b)| b);
+                scratch_off.push((kind, size));
+                size += bytes.max(4).div_ceil(ALIGN) * ALIGN;
+            }
+
+            // Unique weights the program reads.
+            let weight_bytes: usize = program.weights().iter().map(|t| t.bytes as usize).sum();
+            let need = weight_bytes + size;
+            let (free, total) = result::mem_get_info().map_err(drv("cannot query device memory"))?;
+            if need > free {
+                return Err(err(format!(
+                    "the model needs {:.2} GB on the device ({:.2} GB weights + {:.2} GB buffers for this context), \
+                     but only {:.2} GB of {:.2} GB are free",
+                    need as f64 / 1e9,
+                    weight_bytes as f64 / 1e9,
+                    size as f64 / 1e9,
+                    free as f64 / 1e9,
+                    total as f64 / 1e9
+                )));
+            }
+            let mut weights = Vec::with_capacity(program.weights().len());
+            let mut weight_ptrs = Vec::with_capacity(program.weights().len());
+            for t in program.weights() {
+                let d = stream.clone_htod(model.data(t)).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
+                weight_ptrs.push(d.device_ptr(&stream).0);
+                weights.push(d);
+            }
+            let grid_bytes: Vec<u8> = IQ2XXS_GRID.iter().flat_map(|g| g.to_le_bytes()).collect();
+            let grid_table = stream.clone_htod(&grid_bytes).map_err(drv("cannot upload the IQ2_XXS grid"))?;
+            let grid_ptr = grid_table.device_ptr(&stream).0;
+            weights.push(grid_table);
+
+            // RoPE tables: (cos, sin) per position and pair, computed as the CPU reference does.
+            let mut rope_ptrs = Vec::with_capacity(plan.ropes.len());
+            for (rope, n_rot) in &plan.ropes {
+                let pairs = *n_rot as usize / 2;
+                let mut table = vec![0f32; program.positions() as usize * pairs * 2];
+                let mut cs = vec![(0f32, 0f32); pairs];
+                for (pos, chunk) in table.chunks_exact_mut(pairs * 2).enumerate() {
+                    rope.cos_sin(pos as u32, *n_rot as usize, &mut cs);
+                    for (k, &(c, s)) in cs.iter().enumerate() {
+                        chunk[2 * k] = c;
+                        chunk[2 * k + 1] = s;
+                    }
+                }
+                let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let d = stream.clone_htod(&bytes).map_err(drv("cannot upload a RoPE table"))?;
+                rope_ptrs.push(d.device_ptr(&stream).0);
+                weights.push(d);
+            }
+
+            let arena = stream.alloc_zeros::<u8>(size).map_err(drv("cannot allocate the buffer arena"))?;
+            let base = arena.device_ptr(&stream).0;
+            let params = stream.alloc_zeros::<u32>(4).map_err(drv("cannot allocate the step parameters"))?;
+            let params_ptr = params.device_ptr(&stream).0;
+
+            let mut funcs: Vec<(&'static str, CudaFunction)> = Vec::new();
+            let mut launches = Vec::with_capacity(plan.launches.len());
+            for l in &plan.launches {
+                let func = match funcs.iter().find(|(n, _)| *n == l.kernel) {
+                    Some((_, f)) => f.clone(),
+                    None => {
+                        let f = module
+                            .load_function(l.kernel)
+                            .map_err(drv(&format!("kernel '{}' is missing", l.kernel)))?;
+                        funcs.push((l.kernel, f.clone()));
+                        f
+                    }
+                };
+                let mut slots = vec![params_ptr, l.cond];
+                for a in &l.args {
+                    slots.push(match *a {
+                        Arg::Buf(b) => base + offsets[b.0 as usize] as u64,
+                        Arg::Weight(w) => weight_ptrs[w.0 as usize],
+                        Arg::Scratch(s) => {
+                            base + scratch_off.iter().find(|(k, _)| *k == s).map_or(0, |&(_, o)| o) as u64
+                        }
+                        Arg::Grid => grid_ptr,
+                        Arg::Rope(i) => rope_ptrs[i],
+                        Arg::Null => 0,
+                        Arg::U32(v) => v as u64,
+                        Arg::F32(v) => v.to_bits() as u64,
+                    });
+                }
+                launches.push(Resolved { op: l.op, func, grid: l.grid, block: l.block, slots });
+            }
+            let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
+
+            let mut exe = CudaExecutable {
+                program,
+                stream,
+                _weights: weights,
+                arena,
+                params,
+                offsets,
+                launches,
+                graph: if graphs { GraphState::WarmUp } else { GraphState::Off },
+                fill,
+            };
+            exe.reset()?;
+            Ok(exe)
+        }
+
+        fn buf_ptr(&self, b: Buf) -> u64 {
+            self.arena.device_ptr(&self.stream).0 + self.offsets[b.0 as usize] as u64
+        }
+
+        fn launch_all(&self) -> Result<(), result::DriverError> {
+            self.launch_ops(0..usize::MAX)
+        }
+
+        /// Launches the kernels of the recorded ops in `ops`.
+        fn launch_ops(&self, ops: std::ops::Range<usize>) -> Result<(), result::DriverError> {
+            for l in self.launches.iter().filter(|l| ops.contains(&l.op)) {
+                let mut slots = l.slots.clone();
+                let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+                // SAFETY: each slot holds one argument of the kernel's signature in order (pointers
+                // and 8-byte values whole, 4-byte values in the low half); the driver copies them
+                // before returning. Every pointer is inside an allocation this executable owns.
+                unsafe {
+                    result::launch_kernel(
+                        l.func.cu_function(),
+                        (l.grid, 1, 1),
+                        (l.block, 1, 1),
+                        0,
+                        self.stream.cu_stream(),
+                        &mut ptrs,
+                    )?;
+                }
+            }
+            Ok(())
+        }
+
+        fn capture(&self) -> Result<CudaGraph, result::DriverError> {
+            self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let launched = self.launch_all();
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            launched?;
+            let graph = graph?
+                .ok_or(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED))?;
+            graph.upload()?;
+            Ok(graph)
+        }
+
+        /// Whether the token is replayed as a captured graph now.
+        pub fn graph_active(&self) -> bool {
+            matches!(self.graph, GraphState::Ready(_))
+        }
+    }
+
+    impl Executable for CudaExecutable {
+        fn program(&self) -> &Arc<Program> {
+            &self.program
+        }
+
+        fn step(&mut self, p: &StepParams) -> Result<(), BackendError> {
+            let words = [p.token, p.pos, 0, 0];
+            self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
+            if let GraphState::Ready(g) = &self.graph {
+                match g.launch() {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        eprintln!("ds4: cuda graph launch failed ({e}); running eagerly from now on");
+                        self.graph = GraphState::Failed;
+                    }
+                }
+            }
+            self.launch_all().map_err(drv("kernel launch failed"))?;
+            if matches!(self.graph, GraphState::WarmUp) {
+                // The warm-up token has run; capture the token once for every later replay.
+                self.stream.synchronize().map_err(drv("warm-up token failed"))?;
+                self.graph = match self.capture() {
+                    Ok(g) => GraphState::Ready(g),
+                    Err(e) => {
+                        eprintln!("ds4: cuda graph capture failed ({e}); running eagerly");
+                        GraphState::Failed
+                    }
+                };
+            }
+            Ok(())
+        }
+
+        fn step_ops(&mut self, p: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+            let words = [p.token, p.pos, 0, 0];
+            self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
+            self.launch_ops(ops).map_err(drv("kernel launch failed"))
+        }
+
+        fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+            *out = self.read_buffer(self.program.logits())?;
+            Ok(())
+        }
+
+        fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError> {
+            let d = self.program.buffers().get(buf.0 as usize).ok_or_else(|| err(format!("no buffer {}", buf.0)))?;
+            let mut raw = vec![0u32; d.len];
+            let src = self.buf_ptr(buf);
+            // SAFETY: `src` addresses `d.len` 4-byte values inside the arena.
+            unsafe { result::memcpy_dtoh_async(&mut raw, src, self.stream.cu_stream()) }
+                .map_err(drv("cannot read a buffer back"))?;
+            self.stream.synchronize().map_err(drv("token failed"))?;
+            Ok(match d.dtype {
+                DType::F32 => raw.into_iter().map(f32::from_bits).collect(),
+                DType::I32 => raw.into_iter().map(|v| v as i32 as f32).collect(),
+            })
+        }
+
+        fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError> {
+            let d = self.program.buffers().get(buf.0 as usize).ok_or_else(|| err(format!("no buffer {}", buf.0)))?;
+            if d.len != data.len() {
+                return Err(err(format!("buffer '{}' holds {} values, not {}", d.name, d.len, data.len())));
+            }
+            let raw: Vec<u32> = match d.dtype {
+                DType::F32 => data.iter().map(|v| v.to_bits()).collect(),
+                DType::I32 => data.iter().map(|&v| v as i32 as u32).collect(),
+            };
+            // SAFETY: the destination addresses `d.len` 4-byte values inside the arena.
+            unsafe { result::memcpy_htod_async(self.buf_ptr(buf), &raw, self.stream.cu_stream()) }
+                .map_err(drv("cannot write a buffer"))?;
+            self.stream.synchronize().map_err(drv("cannot write a buffer"))
+        }
+
+        fn reset(&mut self) -> Result<(), BackendError> {
+            let params_ptr = self.params.device_ptr(&self.stream).0;
+            for (i, d) in self.program.buffers().iter().enumerate() {
+                let init = match d.kind {
+                    BufKind::State { init } => init,
+                    BufKind::Scratch => 0.0,
+                };
+                let value = match d.dtype {
+                    DType::F32 => init.to_bits(),
+                    DType::I32 => init as i32 as u32,
+                };
+                let mut slots = [params_ptr, 0u64, self.buf_ptr(Buf(i as u32)), d.len as u64, value as u64];
+                let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+                // SAFETY: `fill(P, cond, u32* x, u64 n, u32 v)` with x inside the arena.
+                unsafe {
+                    result::launch_kernel(
+                        self.fill.cu_function(),
+                        ((d.len as u32).div_ceil(256).max(1), 1, 1),
+                        (256, 1, 1),
+                        0,
+                        self.stream.cu_stream(),
+                        &mut ptrs,
+                    )
+                }
+                .map_err(drv("cannot reset the caches"))?;
+            }
+            self.stream.synchronize().map_err(drv("cannot reset the caches"))?;
+            Ok(())
+        }
+    }
 }

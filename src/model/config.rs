@@ -51,6 +51,39 @@ pub struct RopeParams {
     pub n_ctx_orig: u64,
 }
 
+impl RopeParams {
+    /// The rotation of each pair `(x[2k], x[2k+1])` of an `n_rot`-wide tail at `pos`, as
+    /// `(cos θ·m, sin θ·m)` computed the way ds4 does (θ advanced by repeated multiplication).
+    /// The CPU backend rotates with these values and the CUDA backend tabulates them, so both
+    /// rotate by the very same numbers.
+    pub fn cos_sin(&self, pos: u32, n_rot: usize, out: &mut [(f32, f32)]) {
+        let theta_scale = self.freq_base.powf(-2.0 / n_rot as f32);
+        let mut corr = [0.0f32; 2];
+        if self.ext_factor != 0.0 {
+            let corr_dim = |beta: f32| {
+                n_rot as f32 * (self.n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                    / (2.0 * self.freq_base.ln())
+            };
+            corr[0] = corr_dim(self.beta_fast).floor().max(0.0);
+            corr[1] = corr_dim(self.beta_slow).ceil().min(n_rot as f32 - 1.0);
+        }
+        let mut theta_extrap = pos as f32;
+        for (k, cs) in out.iter_mut().take(n_rot / 2).enumerate() {
+            let theta_interp = self.freq_scale * theta_extrap;
+            let mut theta = theta_interp;
+            let mut mscale = self.attn_factor;
+            if self.ext_factor != 0.0 {
+                let y = (k as f32 - corr[0]) / (corr[1] - corr[0]).max(0.001);
+                let ramp = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+                theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
+                mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
+            }
+            *cs = (theta.cos() * mscale, theta.sin() * mscale);
+            theta_extrap *= theta_scale;
+        }
+    }
+}
+
 /// The shape and constants of a DeepSeek V4 Flash-architecture model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -270,8 +303,11 @@ impl Config {
         if c.n_hc != 4 {
             return Err(format!("{ARCH}.hyper_connection.count is {}, the HC kernels need 4 streams", c.n_hc));
         }
-        if c.n_rot == 0 || !c.n_rot.is_multiple_of(2) || c.n_rot > c.head_dim {
-            return Err(format!("rope.dimension_count {} must be even and at most key_length {}", c.n_rot, c.head_dim));
+        if c.n_rot == 0 || !c.n_rot.is_multiple_of(2) || c.n_rot > c.head_dim || c.n_rot > 512 {
+            return Err(format!(
+                "rope.dimension_count {} must be even, at most 512 and at most key_length {}",
+                c.n_rot, c.head_dim
+            ));
         }
         if !(c.head_dim - c.n_rot).is_multiple_of(64) {
             return Err(format!(

@@ -122,10 +122,15 @@ pub struct Program {
     weights: Vec<TensorInfo>,
     steps: Vec<Step>,
     logits: Buf,
+    positions: u32,
     fingerprint: u64,
 }
 
 impl Program {
+    /// How many positions (0..positions) the program serves: the context capacity.
+    pub fn positions(&self) -> u32 {
+        self.positions
+    }
     pub fn buffers(&self) -> &[BufDesc] {
         &self.buffers
     }
@@ -221,14 +226,22 @@ impl Recorder {
         self.cond = None;
     }
 
-    /// Checks every op's buffer and weight sizes, and freezes the program.
-    pub fn finish(self, logits: Buf) -> Result<Program, String> {
-        let mut p = Program { buffers: self.buffers, weights: self.weights, steps: self.steps, logits, fingerprint: 0 };
+    /// Checks every op's buffer and weight sizes, and freezes the program, which serves
+    /// positions `0..positions`.
+    pub fn finish(self, logits: Buf, positions: u32) -> Result<Program, String> {
+        let mut p = Program {
+            buffers: self.buffers,
+            weights: self.weights,
+            steps: self.steps,
+            logits,
+            positions,
+            fingerprint: 0,
+        };
         for (i, s) in p.steps.iter().enumerate() {
             validate(&p, &s.op).map_err(|e| format!("op #{i} ({}): {e}", s.op.name()))?;
         }
         let mut h = DefaultHasher::new();
-        format!("{:?}|{:?}|{:?}|{:?}", p.buffers, p.weights, p.steps, p.logits).hash(&mut h);
+        format!("{:?}|{:?}|{:?}|{:?}|{}", p.buffers, p.weights, p.steps, p.logits, p.positions).hash(&mut h);
         p.fingerprint = h.finish();
         Ok(p)
     }

@@ -1,0 +1,161 @@
+// KV cache and compressor ops: fp8 / FP4 round trips, the raw ring, the compressor window state
+// and the compressed-row caches. Rows are f16-rounded on store, as ds4's CPU path does.
+
+__device__ float e4m3_value(int i) {
+    const int e = (i >> 3) & 15;
+    const float mant = (float)(i & 7);
+    return e == 0 ? mant * 0.001953125f : (1.0f + mant * 0.125f) * ldexpf(1.0f, e - 7);
+}
+
+// Nearest E4M3 value (ties to the even code), saturating at 448.
+__device__ float e4m3_round(float x) {
+    const float sign = x < 0.0f ? -1.0f : 1.0f;
+    const float ax = fminf(fabsf(x), 448.0f);
+    int lo = 0, hi = 126;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (e4m3_value(mid) <= ax) lo = mid; else hi = mid - 1;
+    }
+    int best = lo;
+    if (best < 126) {
+        const float d0 = fabsf(ax - e4m3_value(best)), d1 = fabsf(ax - e4m3_value(best + 1));
+        if (d1 < d0 || (d1 == d0 && ((best + 1) & 1) == 0 && (best & 1) != 0)) best++;
+    }
+    return sign * e4m3_value(best);
+}
+
+// One block of 64 threads per 64 non-RoPE dims; power-of-two scale from the block's amax.
+extern "C" __global__ void fp8_round_trip(DS4_ARGS, float* __restrict__ x) {
+    DS4_GUARD;
+    __shared__ float wmax[2];
+    const u32 i = blockIdx.x * 64 + threadIdx.x;
+    const float v = x[i];
+    const float m = warp_max(fabsf(v));
+    if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = m;
+    __syncthreads();
+    const float amax = fmaxf(fmaxf(wmax[0], wmax[1]), 1.0e-4f);
+    const float scale = ldexpf(1.0f, (int)ceilf(ds4_log2f(amax / 448.0f)));
+    x[i] = e4m3_round(fminf(fmaxf(v / scale, -448.0f), 448.0f)) * scale;
+}
+
+__device__ float e2m1_round(float x) {
+    const float vals[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float sign = x < 0.0f ? -1.0f : 1.0f;
+    const float ax = fminf(fabsf(x), 6.0f);
+    int best = 0;
+    float best_diff = ax;
+    for (int i = 1; i < 8; i++) {
+        const float d = fabsf(ax - vals[i]);
+        if (d < best_diff || (d == best_diff && (i & 1) == 0 && (best & 1) != 0)) {
+            best = i;
+            best_diff = d;
+        }
+    }
+    return sign * vals[best];
+}
+
+// One block of 128 threads per row: Hadamard-128, then FP4 E2M1 per 32 (one warp each).
+extern "C" __global__ void indexer_qat(DS4_ARGS, float* __restrict__ x) {
+    DS4_GUARD;
+    __shared__ float s[128];
+    float* row = x + (u64)blockIdx.x * 128;
+    const u32 t = threadIdx.x;
+    s[t] = row[t];
+    __syncthreads();
+    for (u32 stride = 1; stride < 128; stride <<= 1) {
+        float v = 0.0f;
+        const u32 base = t & ~(2 * stride - 1), off = t & (2 * stride - 1);
+        if (off < stride) v = s[base + off] + s[base + off + stride];
+        else v = s[base + off - stride] - s[base + off];
+        __syncthreads();
+        s[t] = v;
+        __syncthreads();
+    }
+    const float v = s[t] * 0.08838834764831845f;
+    const float amax = fmaxf(warp_max(fabsf(v)), 7.052966104933725e-38f);
+    const float scale = ldexpf(1.0f, (int)ceilf(ds4_log2f(amax / 6.0f)));
+    row[t] = e2m1_round(fminf(fmaxf(v / scale, -6.0f), 6.0f)) * scale;
+}
+
+// The token's KV row, f16-rounded, into ring row pos % raw_cap.
+extern "C" __global__ void store_raw(DS4_ARGS, const float* __restrict__ kv, float* __restrict__ cache, u32 dim,
+                                     u32 raw_cap) {
+    DS4_GUARD;
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= dim) return;
+    cache[(u64)(P->pos % raw_cap) * dim + i] = round_f16(kv[i]);
+}
+
+// This token's compressed row, f16-rounded, as row (pos+1)/ratio - 1.
+extern "C" __global__ void store_comp_row(DS4_ARGS, const float* __restrict__ row, float* __restrict__ cache,
+                                          u32 dim, u32 ratio) {
+    DS4_GUARD;
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    const u32 n = (P->pos + 1) / ratio;
+    if (i >= dim || n == 0) return;
+    cache[(u64)(n - 1) * dim + i] = round_f16(row[i]);
+}
+
+// Window state row (4 + pos%4 for ratio 4, else pos%ratio) = kv, score + ape[pos % ratio].
+extern "C" __global__ void compressor_store(DS4_ARGS, const float* __restrict__ kv, const float* __restrict__ score,
+                                            const void* __restrict__ ape, u32 ape_f16, float* __restrict__ state_kv,
+                                            float* __restrict__ state_score, u32 width, u32 ratio) {
+    DS4_GUARD;
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= width) return;
+    const u32 pos_mod = P->pos % ratio;
+    const u32 row = ratio == 4 ? 4 + pos_mod : pos_mod;
+    state_kv[(u64)row * width + j] = kv[j];
+    state_score[(u64)row * width + j] = score[j] + wload(ape, ape_f16, (u64)pos_mod * width + j);
+}
+
+// Softmax pool per dim over the window; ratio 4 mixes rows 0..4 (first half) with rows 4..8
+// (second half), interleaved in the sums as ds4 does.
+extern "C" __global__ void compressor_pool(DS4_ARGS, const float* __restrict__ kv, const float* __restrict__ score,
+                                           float* __restrict__ out, u32 head_dim, u32 ratio) {
+    DS4_GUARD;
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= head_dim) return;
+    const u32 width = ratio == 4 ? 2 * head_dim : head_dim;
+    float mx = -1.0e30f;
+    if (ratio == 4) {
+        for (u32 r = 0; r < 4; r++) {
+            mx = fmaxf(mx, score[(u64)r * width + j]);
+            mx = fmaxf(mx, score[(u64)(4 + r) * width + head_dim + j]);
+        }
+    } else {
+        for (u32 r = 0; r < ratio; r++) mx = fmaxf(mx, score[(u64)r * width + j]);
+    }
+    if (mx <= -1.0e30f * 0.5f) {
+        out[j] = 0.0f;
+        return;
+    }
+    float denom = 0.0f, sum = 0.0f;
+    if (ratio == 4) {
+        for (u32 r = 0; r < 4; r++) {
+            const u64 bp = (u64)r * width + j, bc = (u64)(4 + r) * width + head_dim + j;
+            const float wp = ds4_expf(score[bp] - mx), wc = ds4_expf(score[bc] - mx);
+            denom += wp + wc;
+            sum += wp * kv[bp];
+            sum += wc * kv[bc];
+        }
+    } else {
+        for (u32 r = 0; r < ratio; r++) {
+            const u64 b = (u64)r * width + j;
+            const float w = ds4_expf(score[b] - mx);
+            denom += w;
+            sum += w * kv[b];
+        }
+    }
+    out[j] = denom > 0.0f ? sum / denom : 0.0f;
+}
+
+// Ratio 4: rows 4..8 become rows 0..4, for both kv and score.
+extern "C" __global__ void compressor_shift(DS4_ARGS, float* __restrict__ state_kv, float* __restrict__ state_score,
+                                            u32 n) {
+    DS4_GUARD;
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    state_kv[i] = state_kv[n + i];
+    state_score[i] = state_score[n + i];
+}
