@@ -23,9 +23,17 @@ extern "C" __global__ void attention(DS4_ARGS, const float* __restrict__ q, cons
 #define ROW_PTR(r) ((r) < n_raw ? raw + (u64)((first + (r)) % raw_cap) * head_dim \
                                 : comp + (u64)(indexed ? selected[(r) - n_raw] : (int)((r) - n_raw)) * head_dim)
     for (u32 r = threadIdx.x; r < n_rows; r += blockDim.x) {
-        const float* k = ROW_PTR(r);
+        const float4* k4 = (const float4*)ROW_PTR(r);
+        const float4* q4 = (const float4*)qh;
         float dot = 0.0f;
-        for (u32 i = 0; i < head_dim; i++) dot += qh[i] * k[i];
+        // head_dim is a multiple of 4 (checked by the plan); the adds stay in order.
+        for (u32 i = 0; i < head_dim / 4; i++) {
+            const float4 a = q4[i], b = k4[i];
+            dot += a.x * b.x;
+            dot += a.y * b.y;
+            dot += a.z * b.z;
+            dot += a.w * b.w;
+        }
         sc[r] = dot * kq_scale;
     }
     __syncthreads();

@@ -12,48 +12,62 @@ extern "C" __global__ void embed_hc(DS4_ARGS, const void* __restrict__ table, u3
 }
 
 // One thread: 4 pre gates, 4 post gates and the 4x4 combine matrix, in ds4's exact order.
+// The model config guarantees 4 streams; fixed sizes keep everything in registers.
 extern "C" __global__ void hc_split(DS4_ARGS, const float* __restrict__ mix, const float* __restrict__ scale,
-                                    const float* __restrict__ base, float* __restrict__ split, u32 n, u32 iters,
+                                    const float* __restrict__ base, float* __restrict__ split, u32 n_hc, u32 iters,
                                     float eps) {
     DS4_GUARD;
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    if (threadIdx.x != 0 || blockIdx.x != 0 || n_hc != 4) return;
+    const int n = 4;
     float c[16];
-    for (u32 i = 0; i < n; i++) {
+#pragma unroll
+    for (int i = 0; i < n; i++) {
         split[i] = 1.0f / (1.0f + ds4_expf(-(mix[i] * scale[0] + base[i]))) + eps;
         split[n + i] = 2.0f / (1.0f + ds4_expf(-(mix[n + i] * scale[1] + base[n + i])));
     }
-    for (u32 dst = 0; dst < n; dst++) {
+#pragma unroll
+    for (int dst = 0; dst < n; dst++) {
         float mx = -1.0e30f;
-        for (u32 src = 0; src < n; src++) {
-            const u32 k = 2 * n + src + dst * n;
+#pragma unroll
+        for (int src = 0; src < n; src++) {
+            const int k = 2 * n + src + dst * n;
             c[src + dst * n] = mix[k] * scale[2] + base[k];
             mx = fmaxf(mx, c[src + dst * n]);
         }
         float sum = 0.0f;
-        for (u32 src = 0; src < n; src++) {
+#pragma unroll
+        for (int src = 0; src < n; src++) {
             c[src + dst * n] = ds4_expf(c[src + dst * n] - mx);
             sum += c[src + dst * n];
         }
         const float inv = 1.0f / sum;
-        for (u32 src = 0; src < n; src++) c[src + dst * n] = c[src + dst * n] * inv + eps;
+#pragma unroll
+        for (int src = 0; src < n; src++) c[src + dst * n] = c[src + dst * n] * inv + eps;
     }
     for (u32 it = 0; it < iters; it++) {
         if (it > 0) {
-            for (u32 dst = 0; dst < n; dst++) {
+#pragma unroll
+            for (int dst = 0; dst < n; dst++) {
                 float sum = 0.0f;
-                for (u32 src = 0; src < n; src++) sum += c[src + dst * n];
+#pragma unroll
+                for (int src = 0; src < n; src++) sum += c[src + dst * n];
                 const float inv = 1.0f / (sum + eps);
-                for (u32 src = 0; src < n; src++) c[src + dst * n] *= inv;
+#pragma unroll
+                for (int src = 0; src < n; src++) c[src + dst * n] *= inv;
             }
         }
-        for (u32 src = 0; src < n; src++) {
+#pragma unroll
+        for (int src = 0; src < n; src++) {
             float sum = 0.0f;
-            for (u32 dst = 0; dst < n; dst++) sum += c[src + dst * n];
+#pragma unroll
+            for (int dst = 0; dst < n; dst++) sum += c[src + dst * n];
             const float inv = 1.0f / (sum + eps);
-            for (u32 dst = 0; dst < n; dst++) c[src + dst * n] *= inv;
+#pragma unroll
+            for (int dst = 0; dst < n; dst++) c[src + dst * n] *= inv;
         }
     }
-    for (u32 i = 0; i < n * n; i++) split[2 * n + i] = c[i];
+#pragma unroll
+    for (int i = 0; i < n * n; i++) split[2 * n + i] = c[i];
 }
 
 // out[d] = sum_h weights[h] * hc[h*n + d]

@@ -56,17 +56,48 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const u8* __restrict__ w, cons
     }
 }
 
-// One thread per row, summing sequentially.
+// One warp per row. The lanes form the products h2f(w)·x of 256 columns at a time (16-byte
+// loads, coalesced) into shared memory; lane 0 then adds them in column order, which is the
+// reference's sequential sum. The chain of adds sets the time, so the loads must not.
 extern "C" __global__ void mat_vec_f16(DS4_ARGS, const u16* __restrict__ w, const float* __restrict__ x,
                                        float* __restrict__ out, u32 in_dim, u32 rows, u32 rows_per_group) {
     DS4_GUARD;
-    const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ float prod[8][256];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 r = blockIdx.x * (blockDim.x >> 5) + warp;
     if (r >= rows) return;
     const u16* row = w + (u64)r * in_dim;
     const float* xg = x + (u64)(r / rows_per_group) * in_dim;
+    float* p = prod[warp];
     float acc = 0.0f;
-    for (u32 i = 0; i < in_dim; i++) acc += h2f(row[i]) * xg[i];
-    out[r] = acc;
+    if ((in_dim & 7) == 0) {
+        for (u32 c0 = 0; c0 < in_dim; c0 += 256) {
+            const u32 c = c0 + lane * 8;
+            if (c < in_dim) {
+                const uint4 q = *(const uint4*)(row + c);
+                const float4 a = *(const float4*)(xg + c), b = *(const float4*)(xg + c + 4);
+                float* o = p + lane * 8;
+                o[0] = h2f((u16)(q.x & 0xffff)) * a.x;
+                o[1] = h2f((u16)(q.x >> 16)) * a.y;
+                o[2] = h2f((u16)(q.y & 0xffff)) * a.z;
+                o[3] = h2f((u16)(q.y >> 16)) * a.w;
+                o[4] = h2f((u16)(q.z & 0xffff)) * b.x;
+                o[5] = h2f((u16)(q.z >> 16)) * b.y;
+                o[6] = h2f((u16)(q.w & 0xffff)) * b.z;
+                o[7] = h2f((u16)(q.w >> 16)) * b.w;
+            }
+            __syncwarp();
+            if (lane == 0) {
+                const u32 n = min(256u, in_dim - c0);
+#pragma unroll 8
+                for (u32 i = 0; i < n; i++) acc += p[i];
+            }
+            __syncwarp();
+        }
+    } else if (lane == 0) {
+        for (u32 i = 0; i < in_dim; i++) acc += h2f(row[i]) * xg[i];
+    }
+    if (lane == 0) out[r] = acc;
 }
 
 // One thread per row; ds4 accumulates F32 matvecs in double.

@@ -36,6 +36,9 @@ pub trait Executable {
     /// Runs only the recorded ops `ops` (by index) of a step, eagerly. For bisecting a difference
     /// between backends (`ds4 check --bisect`); a normal token uses `step`.
     fn step_ops(&mut self, params: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError>;
+    /// Runs one token eagerly, timing it piece by piece: (kernel or op name, microseconds)
+    /// summed per name, slowest first. For `ds4 bench --profile`.
+    fn profile(&mut self, params: &StepParams) -> Result<Vec<(String, f64)>, BackendError>;
     /// Overwrites a buffer (f32 values; I32 buffers take them as integers). For diagnostics.
     fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError>;
     /// Copies the logits of the last step into `out` (resized to the vocabulary).
@@ -100,4 +103,17 @@ pub fn create(kind: BackendKind, opts: BackendOptions) -> Result<Box<dyn Backend
         BackendKind::Wgpu => crate::backends::wgpu::create(opts),
         BackendKind::Cuda => crate::backends::cuda::create(opts),
     }
+}
+
+/// Sums (name, time) pairs per name, slowest first.
+pub fn summarize_profile(items: impl IntoIterator<Item = (String, f64)>) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for (name, t) in items {
+        match out.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += t,
+            None => out.push((name, t)),
+        }
+    }
+    out.sort_by(|a, b| b.1.total_cmp(&a.1));
+    out
 }

@@ -230,6 +230,9 @@ struct BenchArgs {
     /// Decode tokens to time.
     #[arg(short = 'n', long, default_value_t = 64)]
     tokens: usize,
+    /// Also time one more token op by op (kernel by kernel on GPUs) and print the slowest.
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() {
@@ -663,6 +666,15 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     println!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
     println!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, 1e3 / tps.max(1e-9));
     println!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
+    if a.profile {
+        let params = ds4::recorder::StepParams::new(ds4::sample::argmax(&logits), session.pos() as u32);
+        let prof = session.executable().profile(&params)?;
+        let total: f64 = prof.iter().map(|(_, t)| t).sum();
+        println!("profile    one token, eager, {:.1} us in total:", total);
+        for (name, t) in prof.iter().take(12) {
+            println!("  {name:20} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
+        }
+    }
     Ok(())
 }
 

@@ -120,6 +120,18 @@ impl Executable for CpuExecutable {
         }
     }
 
+    fn profile(&mut self, params: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
+        let mut times = Vec::new();
+        for (i, s) in self.program.clone().steps().iter().enumerate() {
+            if s.cond.is_none_or(|c| c.eval(params)) {
+                let t0 = std::time::Instant::now();
+                self.step_ops(params, i..i + 1)?;
+                times.push((s.op.name().to_string(), t0.elapsed().as_secs_f64() * 1e6));
+            }
+        }
+        Ok(crate::backend::summarize_profile(times))
+    }
+
     fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError> {
         match self.bufs.get_mut(buf.0 as usize) {
             Some(Data::F32(v)) if v.len() == data.len() => v.copy_from_slice(data),

@@ -133,6 +133,7 @@ mod imp {
     /// in the low half, which is where a little-endian kernel reads them).
     struct Resolved {
         op: usize,
+        kernel: &'static str,
         func: CudaFunction,
         grid: u32,
         block: u32,
@@ -273,7 +274,7 @@ mod imp {
                         Arg::F32(v) => v.to_bits() as u64,
                     });
                 }
-                launches.push(Resolved { op: l.op, func, grid: l.grid, block: l.block, slots });
+                launches.push(Resolved { op: l.op, kernel: l.kernel, func, grid: l.grid, block: l.block, slots });
             }
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
 
@@ -302,24 +303,31 @@ mod imp {
 
         /// Launches the kernels of the recorded ops in `ops`.
         fn launch_ops(&self, ops: std::ops::Range<usize>) -> Result<(), result::DriverError> {
-            for l in self.launches.iter().filter(|l| ops.contains(&l.op)) {
-                let mut slots = l.slots.clone();
-                let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
-                // SAFETY: each slot holds one argument of the kernel's signature in order (pointers
-                // and 8-byte values whole, 4-byte values in the low half); the driver copies them
-                // before returning. Every pointer is inside an allocation this executable owns.
-                unsafe {
-                    result::launch_kernel(
-                        l.func.cu_function(),
-                        (l.grid, 1, 1),
-                        (l.block, 1, 1),
-                        0,
-                        self.stream.cu_stream(),
-                        &mut ptrs,
-                    )?;
+            for i in 0..self.launches.len() {
+                if ops.contains(&self.launches[i].op) {
+                    self.launch_one(i)?;
                 }
             }
             Ok(())
+        }
+
+        fn launch_one(&self, i: usize) -> Result<(), result::DriverError> {
+            let l = &self.launches[i];
+            let mut slots = l.slots.clone();
+            let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+            // SAFETY: each slot holds one argument of the kernel's signature in order (pointers
+            // and 8-byte values whole, 4-byte values in the low half); the driver copies them
+            // before returning. Every pointer is inside an allocation this executable owns.
+            unsafe {
+                result::launch_kernel(
+                    l.func.cu_function(),
+                    (l.grid, 1, 1),
+                    (l.block, 1, 1),
+                    0,
+                    self.stream.cu_stream(),
+                    &mut ptrs,
+                )
+            }
         }
 
         fn capture(&self) -> Result<CudaGraph, result::DriverError> {
@@ -375,6 +383,31 @@ mod imp {
             let words = [p.token, p.pos, 0, 0];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             self.launch_ops(ops).map_err(drv("kernel launch failed"))
+        }
+
+        fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
+            let words = [p.token, p.pos, 0, 0];
+            self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
+            let ctx = self.stream.context().clone();
+            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let mut marks = Vec::with_capacity(self.launches.len() + 1);
+            let first = ctx.new_event(timing).map_err(drv("cannot create an event"))?;
+            first.record(&self.stream).map_err(drv("cannot record an event"))?;
+            for i in 0..self.launches.len() {
+                self.launch_one(i).map_err(drv("kernel launch failed"))?;
+                let e = ctx.new_event(timing).map_err(drv("cannot create an event"))?;
+                e.record(&self.stream).map_err(drv("cannot record an event"))?;
+                marks.push(e);
+            }
+            self.stream.synchronize().map_err(drv("token failed"))?;
+            let mut times = Vec::with_capacity(marks.len());
+            let mut prev = &first;
+            for (l, e) in self.launches.iter().zip(&marks) {
+                let ms = prev.elapsed_ms(e).map_err(drv("cannot read an event"))?;
+                times.push((l.kernel.to_string(), ms as f64 * 1e3));
+                prev = e;
+            }
+            Ok(crate::backend::summarize_profile(times))
         }
 
         fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {

@@ -150,7 +150,6 @@ impl Builder<'_> {
                 );
             }
             GgmlType::F16 | GgmlType::F32 => {
-                let kernel = if t.ty == GgmlType::F16 { "mat_vec_f16" } else { "mat_vec_f32" };
                 let args = vec![
                     Arg::Weight(w),
                     Arg::Buf(x),
@@ -159,8 +158,13 @@ impl Builder<'_> {
                     Arg::U32(rows as u32),
                     Arg::U32(rows_per_group),
                 ];
-                // One thread per row (sequential sums).
-                self.launch(kernel, blocks(rows, 64), 64, args);
+                if t.ty == GgmlType::F16 {
+                    // One warp per row, 8 rows per block.
+                    self.launch("mat_vec_f16", grid, 256, args);
+                } else {
+                    // One thread per row (sequential sums), 64 rows per block.
+                    self.launch("mat_vec_f32", blocks(rows, 64), 64, args);
+                }
             }
             other => return Err(format!("tensor '{}' of type {other:?} is not a dense matrix", t.name)),
         }
@@ -187,6 +191,9 @@ impl Builder<'_> {
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
             Op::MatVecGrouped { w, x, out, groups } => self.mat_vec(w, x, out, groups)?,
             Op::HcSplit { mix, scale, base, split, n_hc, iters, eps } => {
+                if n_hc != 4 {
+                    return Err(format!("the HC kernel needs 4 streams, not {n_hc}"));
+                }
                 let (s, b) = (self.f32_weight(scale)?, self.f32_weight(base)?);
                 self.launch("hc_split", 1, 32, vec![B(mix), s, b, B(split), U32(n_hc), U32(iters), F32(eps)]);
             }
@@ -299,6 +306,9 @@ impl Builder<'_> {
                     crate::recorder::BoundKind::RawRows { window } => window,
                     _ => return Err("attention raw rows must be a raw-window bound".into()),
                 };
+                if head_dim % 4 != 0 {
+                    return Err(format!("the attention kernel needs a head width divisible by 4, not {head_dim}"));
+                }
                 let ratio = if comp.is_some() { comp_ratio(comp_rows)? } else { 0 };
                 // Visible compressed rows never exceed the cap, nor top_k once the indexer selects.
                 let max_rows = raw_rows.cap + comp_rows.cap;
