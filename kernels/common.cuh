@@ -70,6 +70,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Warp-wide (value, index) maximum; on equal values the lower index wins. Every lane gets it.
+__device__ __forceinline__ void warp_argmax(float* v, int* idx) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, *idx, o);
+        if (ov > *v || (ov == *v && oi < *idx)) {
+            *v = ov;
+            *idx = oi;
+        }
+    }
+}
+
 // Block-wide sum of doubles (blockDim.x a multiple of 32, at most 1024). Every thread gets it.
 __device__ double block_sum_d(double v) {
     __shared__ double part[32];
@@ -79,18 +91,6 @@ __device__ double block_sum_d(double v) {
     if (lane == 0) part[warp] = v;
     __syncthreads();
     double t = 0.0;
-    for (int i = 0; i < nw; i++) t += part[i];
-    return t;
-}
-
-__device__ float block_sum(float v) {
-    __shared__ float part[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    float t = 0.0f;
     for (int i = 0; i < nw; i++) t += part[i];
     return t;
 }

@@ -51,14 +51,7 @@ extern "C" __global__ void indexer_top_k(DS4_ARGS, const float* __restrict__ sco
                 idx = (int)c;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > v || (ov == v && oi < idx)) {
-                v = ov;
-                idx = oi;
-            }
-        }
+        warp_argmax(&v, &idx);
         if (lane == 0) {
             best_v[warp] = v;
             best_i[warp] = idx;

@@ -53,14 +53,7 @@ extern "C" __global__ void quantize_q8_k(DS4_ARGS, const float* __restrict__ x, 
     const float v = x[(u64)b * 256 + t];
     float a = fabsf(v);
     int idx = (int)t;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float oa = __shfl_xor_sync(0xffffffffu, a, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (oa > a || (oa == a && oi < idx)) {
-            a = oa;
-            idx = oi;
-        }
-    }
+    warp_argmax(&a, &idx);
     if (lane == 0) {
         wv[warp] = a;
         wi[warp] = idx;
