@@ -614,7 +614,9 @@ impl Writer {
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let align = self.alignment.max(1) as usize;
+        let data: usize = self.tensors.iter().map(|t| t.3.len().div_ceil(align) * align).sum();
+        let mut out = Vec::with_capacity(data + (1 << 16));
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());

@@ -44,7 +44,7 @@ enum Cmd {
     },
     /// Write a deterministic random-weight model of a named shape.
     Synth {
-        #[arg(long, value_parser = ["tiny", "small"])]
+        #[arg(long, value_parser = ["tiny", "small", "flash-4l"])]
         preset: String,
         #[arg(long)]
         out: PathBuf,
@@ -93,7 +93,7 @@ struct ModelArgs {
     /// GGUF model file. Without it, ./ds4flash.gguf, else the embedded tiny synthetic model.
     #[arg(short, long)]
     model: Option<PathBuf>,
-    /// Synthesize a preset model in memory instead of reading a file (tiny, small).
+    /// Synthesize a preset model in memory instead of reading a file (tiny, small, flash-4l).
     #[arg(long, conflicts_with = "model")]
     preset: Option<String>,
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
@@ -261,7 +261,8 @@ struct Loaded {
 
 fn load(m: &ModelArgs) -> Result<Loaded> {
     let (file, source) = if let Some(name) = &m.preset {
-        let preset = Preset::by_name(name).with_context(|| format!("unknown preset '{name}' (tiny, small)"))?;
+        let preset =
+            Preset::by_name(name).with_context(|| format!("unknown preset '{name}' (tiny, small, flash-4l)"))?;
         let bytes = synth::build(&preset, EMBEDDED_SEED);
         (
             gguf::File::from_bytes(format!("synthetic {name} model"), bytes)?,

@@ -118,10 +118,21 @@ impl Preset {
         }
     }
 
+    /// The real Flash layer shape, first 4 layers only (dense, dense, ratio 4, ratio 128): about
+    /// 9 GB, for timing one real layer of each kind without a model file.
+    pub fn flash_4l() -> Preset {
+        let mut p = Self::flash();
+        p.name = "flash-4l";
+        p.n_layer = 4;
+        p.compress_ratios.truncate(4);
+        p
+    }
+
     pub fn by_name(name: &str) -> Option<Preset> {
         match name {
             "tiny" => Some(Self::tiny()),
             "small" => Some(Self::small()),
+            "flash-4l" => Some(Self::flash_4l()),
             _ => None,
         }
     }
@@ -147,8 +158,13 @@ impl Rng {
     fn uniform(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
-    fn byte(&mut self) -> u8 {
-        self.next() as u8
+    /// Appends `n` random bytes, eight per draw.
+    fn bytes(&mut self, out: &mut Vec<u8>, n: usize) {
+        for _ in 0..n / 8 {
+            out.extend_from_slice(&self.next().to_le_bytes());
+        }
+        let tail = self.next().to_le_bytes();
+        out.extend_from_slice(&tail[..n % 8]);
     }
 }
 
@@ -176,14 +192,13 @@ fn random_data(rng: &mut Rng, ty: GgmlType, elements: usize, std: f32) -> Vec<u8
             // |w| = d * (2s+1)/8 * grid, grid in {8, 25, 43}, s uniform in 0..16: about 50 d.
             for _ in 0..blocks {
                 out.extend_from_slice(&f16_bytes(std / 50.0));
-                (0..64).for_each(|_| out.push(rng.byte()));
+                rng.bytes(&mut out, 64);
             }
         }
         GgmlType::Q2_K => {
             // w = d * sc * q - dmin * m with sc, m < 16 and q < 4: about 6 d around its mean.
             for _ in 0..blocks {
-                (0..16).for_each(|_| out.push(rng.byte()));
-                (0..64).for_each(|_| out.push(rng.byte()));
+                rng.bytes(&mut out, 80);
                 out.extend_from_slice(&f16_bytes(std / 6.0));
                 out.extend_from_slice(&f16_bytes(std / 12.0));
             }
@@ -193,7 +208,7 @@ fn random_data(rng: &mut Rng, ty: GgmlType, elements: usize, std: f32) -> Vec<u8
             for _ in 0..blocks {
                 out.extend_from_slice(&f16_bytes(std / 80.0));
                 out.extend_from_slice(&f16_bytes(std / 160.0));
-                (0..140).for_each(|_| out.push(rng.byte()));
+                rng.bytes(&mut out, 140);
             }
         }
         other => unreachable!("synth does not write {other:?}"),
