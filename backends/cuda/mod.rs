@@ -20,7 +20,7 @@ pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{CudaBackend, CudaExecutable};
+pub use imp::{kernel_source, CudaBackend, CudaExecutable};
 
 /// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX size in bytes.
 /// Needs libnvrtc but no GPU.
@@ -77,7 +77,7 @@ mod imp {
         move |e| err(format!("{what}: {e}"))
     }
 
-    /// The full kernel source (also used by the compile check in `scripts/`).
+    /// The full kernel source, as NVRTC compiles it.
     pub fn kernel_source() -> String {
         SOURCES.join("\n")
     }

@@ -430,3 +430,59 @@ pub fn plan(program: &Program) -> Result<Plan, String> {
     }
     Ok(Plan { launches: b.launches, scratch: b.need, ropes: b.ropes })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::{record_token, Caps};
+    use crate::gguf::File;
+    use crate::model::Model;
+    use crate::synth::{self, Preset};
+
+    /// Parameter count of each `extern "C" __global__` kernel in the sources (DS4_ARGS is two).
+    fn kernel_arities() -> Vec<(String, usize)> {
+        let src = super::super::kernel_source();
+        let mut out = Vec::new();
+        for part in src.split("extern \"C\" __global__ void ").skip(1) {
+            let name = part[..part.find('(').unwrap()].trim().to_string();
+            let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
+            let n = params.split(',').count() + params.contains("DS4_ARGS") as usize;
+            out.push((name, n));
+        }
+        out
+    }
+
+    #[test]
+    fn every_launch_matches_its_kernel_signature() {
+        let arities = kernel_arities();
+        assert!(arities.len() >= 20, "kernels found: {arities:?}");
+        for preset in [Preset::tiny(), Preset::small()] {
+            let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
+            let program = record_token(&model, Caps { ctx: 128 }).unwrap();
+            let plan = plan(&program).unwrap();
+            let mut ops_seen = vec![false; program.steps().len()];
+            for l in &plan.launches {
+                let (_, n) = arities
+                    .iter()
+                    .find(|(k, _)| k == l.kernel)
+                    .unwrap_or_else(|| panic!("no kernel named {} in kernels/", l.kernel));
+                assert_eq!(l.args.len() + 2, *n, "kernel {} takes {n} parameters", l.kernel);
+                assert!(l.grid >= 1 && l.block >= 32 && l.block <= 1024, "{}: {} x {}", l.kernel, l.grid, l.block);
+                ops_seen[l.op] = true;
+            }
+            assert!(ops_seen.iter().all(|&s| s), "every recorded op has at least one launch");
+            // Predicated ops keep their predicate on every launch.
+            for l in &plan.launches {
+                assert_eq!(l.cond, pack_cond(program.steps()[l.op].cond));
+            }
+        }
+    }
+
+    #[test]
+    fn predicates_pack_as_the_kernels_unpack_them() {
+        let unpack = |c: u64| (c & 3, (c >> 2) & 0xffff, c >> 18);
+        assert_eq!(unpack(pack_cond(None)), (0, 0, 0));
+        assert_eq!(unpack(pack_cond(Some(Cond::Emit { ratio: 128 }))), (1, 128, 0));
+        assert_eq!(unpack(pack_cond(Some(Cond::IndexerActive { ratio: 4, top_k: 512 }))), (2, 4, 512));
+    }
+}
