@@ -47,6 +47,21 @@ impl Backend for CpuBackend {
                 return Err(BackendError::new("cpu", format!("tensor '{}' has unsupported type {:?}", t.name, t.ty)));
             }
         }
+        let need = program.buffer_bytes();
+        if let Some(avail) = available_memory() {
+            if need > avail {
+                return Err(BackendError::new(
+                    "cpu",
+                    format!(
+                        "the buffers and caches for {} positions need {:.2} GB, but only {:.2} GB of memory are available; \
+                         use a smaller --ctx",
+                        program.positions(),
+                        need as f64 / 1e9,
+                        avail as f64 / 1e9
+                    ),
+                ));
+            }
+        }
         let bufs = program
             .buffers()
             .iter()
@@ -154,4 +169,12 @@ impl Executable for CpuExecutable {
         }
         Ok(())
     }
+}
+
+/// Bytes of memory available for new allocations (Linux `MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
