@@ -538,8 +538,7 @@ fn cmd_check(a: CheckArgs) -> Result<()> {
             (None, Some(o)) => o.eval(token)?.to_vec(),
             (None, None) => unreachable!("one reference exists"),
         };
-        let d = got.iter().zip(&want).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-        let d = if d.is_finite() { d } else { f32::INFINITY };
+        let d = max_abs_diff(&got, &want);
         worst = worst.max(d);
         bad += (d > a.tolerance) as usize;
         println!("step {step:4} token {token:6}: max |diff| {d:.3e}");
@@ -553,6 +552,15 @@ fn cmd_check(a: CheckArgs) -> Result<()> {
         bail!("{bad} of {steps} steps differ by more than {}", a.tolerance);
     }
     Ok(())
+}
+
+/// The largest |a[i] − b[i]|; infinite when a value is NaN or infinite on either side, or the
+/// lengths differ, so a broken backend can never pass a comparison.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() || a.iter().chain(b).any(|v| !v.is_finite()) {
+        return f32::INFINITY;
+    }
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 /// Reruns position `pos` op by op on both sessions and reports the first op after which some
@@ -573,8 +581,7 @@ fn bisect(a: &mut Session, b: &mut Session, ids: &[u32], pos: usize, tol: f32, t
         for (i, d) in program.buffers().iter().enumerate() {
             let buf = ds4::recorder::Buf(i as u32);
             let (x, y) = (a.executable().read_buffer(buf)?, b.executable().read_buffer(buf)?);
-            let diff = x.iter().zip(&y).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-            let diff = if diff.is_nan() || x.iter().chain(&y).any(|v| v.is_nan()) { f32::INFINITY } else { diff };
+            let diff = max_abs_diff(&x, &y);
             worst.push((diff, d.name.clone()));
         }
         worst.sort_by(|p, q| q.0.total_cmp(&p.0));
@@ -620,12 +627,9 @@ fn isolate_ops(r: &mut Session, t: &mut Session, ids: &[u32], pos: usize) -> Res
             if x == before[i] && y == before[i] {
                 continue;
             }
-            let diff =
-                x.iter()
-                    .zip(&y)
-                    .fold(0.0f32, |m, (p, q)| if (p - q).abs() > m || (p - q).is_nan() { (p - q).abs() } else { m });
+            let diff = max_abs_diff(&x, &y);
             let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            if diff.is_nan() || diff > worst.0 || worst.2.is_empty() {
+            if diff > worst.0 || worst.2.is_empty() {
                 worst = (diff, scale, d.name.clone());
             }
         }
