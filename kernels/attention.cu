@@ -1,56 +1,59 @@
-// Sink attention for one token: per head, softmax over {sink} ∪ raw window rows ∪ visible
-// compressed rows (K == V), the sink in the denominator only. One block per head; `scores` is
-// scratch with `max_rows` floats per head. Dots, the denominator and each output element sum
-// in the CPU reference's order.
-extern "C" __global__ void attention(DS4_ARGS, const float* __restrict__ q, const float* __restrict__ raw,
-                                     const float* __restrict__ comp, const int* __restrict__ selected,
-                                     const float* __restrict__ sinks, float* __restrict__ out,
-                                     float* __restrict__ scores, u32 head_dim, u32 window, u32 raw_cap, u32 ratio,
-                                     u32 comp_cap, u32 top_k, u32 max_rows) {
+// Sink attention for one token in the canonical order: per head, softmax over {sink} ∪ raw
+// window rows ∪ visible compressed rows (K == V), the sink in the denominator only. One block
+// per head; `scores` is scratch with `max_rows` floats per head.
+//   s_r = dot(q, k_r) * kq_scale (the canonical f32 dot, one warp per row)
+//   w_r = exp(s_r - max(sink, s...))
+//   rows in chunks of DS4_ATTN_ROW_CHUNK: inside a chunk the weights and each output dim add
+//   sequentially from +0; denom = exp(sink - m) + chunk sums in order; out = (sum of chunk sums) * (1/denom).
+extern "C" __global__ void attention(DS4_ARGS, const AttentionArgs a) {
     DS4_GUARD;
+    __shared__ float denom_sh;
     const u32 h = blockIdx.x;
-    const u32 n_raw = ds4_raw_rows(P, window, raw_cap);
-    const u32 n_comp = ds4_comp_rows(P, ratio, comp_cap);
-    const bool indexed = selected != 0 && n_comp > top_k;
-    const u32 n_vis = indexed ? top_k : n_comp;
+    const u32 head_dim = a.head_dim;
+    const u32 n_raw = ds4_raw_rows(P, a.window, a.raw_cap);
+    const u32 n_comp = ds4_comp_rows(P, a.ratio, a.comp_cap);
+    const bool indexed = a.selected != 0 && n_comp > a.top_k;
+    const u32 n_vis = indexed ? a.top_k : n_comp;
     const u32 n_rows = n_raw + n_vis;
     const u32 first = P->pos + 1 - n_raw;
-    const float* qh = q + (u64)h * head_dim;
-    float* sc = scores + (u64)h * max_rows;
-    const float kq_scale = 1.0f / sqrtf((float)head_dim);
+    const float* qh = a.q + (u64)h * head_dim;
+    float* sc = a.scores + (u64)h * a.max_rows;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 
     // Row r: raw rows oldest first, then compressed rows in ascending order.
-#define ROW_PTR(r) ((r) < n_raw ? raw + (u64)((first + (r)) % raw_cap) * head_dim \
-                                : comp + (u64)(indexed ? selected[(r) - n_raw] : (int)((r) - n_raw)) * head_dim)
-    for (u32 r = threadIdx.x; r < n_rows; r += blockDim.x) {
-        const float4* k4 = (const float4*)ROW_PTR(r);
-        const float4* q4 = (const float4*)qh;
-        float dot = 0.0f;
-        // head_dim is a multiple of 4 (checked by the plan); the adds stay in order.
-        for (u32 i = 0; i < head_dim / 4; i++) {
-            const float4 a = q4[i], b = k4[i];
-            dot += a.x * b.x;
-            dot += a.y * b.y;
-            dot += a.z * b.z;
-            dot += a.w * b.w;
-        }
-        sc[r] = dot * kq_scale;
+#define ROW_PTR(r) ((r) < n_raw ? a.raw + (u64)((first + (r)) % a.raw_cap) * head_dim \
+                                : a.comp + (u64)(indexed ? a.selected[(r) - n_raw] : (int)((r) - n_raw)) * head_dim)
+    for (u32 r = warp; r < n_rows; r += nw) {
+        const float d = warp_dot_f32(qh, ROW_PTR(r), head_dim, lane);
+        if (lane == 0) sc[r] = d * a.kq_scale;
     }
     __syncthreads();
-    const float sink = sinks[h];
+    const float sink = a.sinks[h];
     float m = sink;
     for (u32 r = threadIdx.x; r < n_rows; r += blockDim.x) m = fmaxf(m, sc[r]);
     m = block_max(m);
     __syncthreads();
     for (u32 r = threadIdx.x; r < n_rows; r += blockDim.x) sc[r] = ds4_expf(sc[r] - m);
     __syncthreads();
-    float denom = ds4_expf(sink - m);
-    for (u32 r = 0; r < n_rows; r++) denom += sc[r];
-    const float inv = 1.0f / denom;
+    if (threadIdx.x == 0) {
+        float denom = ds4_expf(sink - m);
+        for (u32 c = 0; c < n_rows; c += DS4_ATTN_ROW_CHUNK) {
+            float part = 0.0f;
+            for (u32 r = c; r < min(c + DS4_ATTN_ROW_CHUNK, n_rows); r++) part += sc[r];
+            denom += part;
+        }
+        denom_sh = denom;
+    }
+    __syncthreads();
+    const float inv = 1.0f / denom_sh;
     for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) {
         float acc = 0.0f;
-        for (u32 r = 0; r < n_rows; r++) acc += sc[r] * ROW_PTR(r)[i];
-        out[(u64)h * head_dim + i] = acc * inv;
+        for (u32 c = 0; c < n_rows; c += DS4_ATTN_ROW_CHUNK) {
+            float part = 0.0f;
+            for (u32 r = c; r < min(c + DS4_ATTN_ROW_CHUNK, n_rows); r++) part += sc[r] * ROW_PTR(r)[i];
+            acc += part;
+        }
+        a.out[(u64)h * head_dim + i] = acc * inv;
     }
 #undef ROW_PTR
 }

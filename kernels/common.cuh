@@ -1,20 +1,8 @@
-// Shared by every kernel file: per-token parameters, predicates, f16 conversion, reductions.
-// Compiled at run time by NVRTC (no CUDA headers needed).
+// Shared by every kernel file: predicates, f16 conversion, the canonical reductions, exp and
+// log1p. Compiled at run time by NVRTC (no CUDA headers needed). `StepParams`, each kernel's
+// argument struct and the numerics constants are generated from the Rust definitions and
+// prepended to this file (backends/cuda/args.rs, src/numerics.rs).
 
-typedef unsigned char u8;
-typedef signed char i8;
-typedef unsigned short u16;
-typedef short i16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-// Mirrors `recorder::StepParams` (repr(C)): the only per-token input of a replay.
-struct StepParams {
-    u32 token;
-    u32 pos;
-    u32 reserved0;
-    u32 reserved1;
-};
 
 // A predicate packed by the host: kind (2 bits) | ratio (16 bits) << 2 | top_k (32 bits) << 18.
 // kind 0: always; 1: a compressed row is emitted; 2: the indexer is active.
@@ -57,11 +45,9 @@ __device__ __forceinline__ float wload(const void* w, u32 is_f16, u64 i) {
     return is_f16 ? h2f(((const u16*)w)[i]) : ((const float*)w)[i];
 }
 
+// The canonical butterfly (numerics::tree32): for o = 16, 8, 4, 2, 1 each lane adds lane ^ o.
+// Every lane ends with the same value.
 __device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ double warp_sum_d(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -82,19 +68,6 @@ __device__ __forceinline__ void warp_argmax(float* v, int* idx) {
     }
 }
 
-// Block-wide sum of doubles (blockDim.x a multiple of 32, at most 1024). Every thread gets it.
-__device__ double block_sum_d(double v) {
-    __shared__ double part[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum_d(v);
-    __syncthreads();
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    double t = 0.0;
-    for (int i = 0; i < nw; i++) t += part[i];
-    return t;
-}
-
 __device__ float block_max(float v) {
     __shared__ float part[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -107,68 +80,93 @@ __device__ float block_max(float v) {
     return t;
 }
 
-// exp and log1p exactly as `src/math.rs` computes them (its portable mode): f64 arithmetic with
-// basic operations only, rounded once to f32, so the CPU (portable mode) and the GPU agree bit for
-// bit. Keep the constants and the order of operations identical to that file.
-__device__ __forceinline__ float ds4_expf(float x) {
-    if (x != x) return x;
-    if (x > 89.0f) return __int_as_float(0x7f800000);
-    if (x < -104.0f) return 0.0f;
-    const double xd = (double)x;
-    const double k = rint(xd * 1.4426950408889634);
-    const double r = xd - k * 0.6931471805599453;
-    // Horner over 1/i! for i = 12 down to 0, written out so the constants stay in registers.
-    double p = 2.08767569878681e-9;
-    p = p * r + 2.505210838544172e-8;
-    p = p * r + 2.755731922398589e-7;
-    p = p * r + 2.7557319223985893e-6;
-    p = p * r + 2.48015873015873e-5;
-    p = p * r + 0.0001984126984126984;
-    p = p * r + 0.001388888888888889;
-    p = p * r + 0.008333333333333333;
-    p = p * r + 0.041666666666666664;
-    p = p * r + 0.16666666666666666;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    const double scale = __longlong_as_double((long long)((long long)k + 1023) << 52);
-    return (float)(p * scale);
+// Lane sum of one 512-term chunk of an f32 dot (4 consecutive terms per lane step), from +0.
+// `n` is the number of terms left from `a`/`b` (a multiple of 4). Adds in the canonical order.
+__device__ __forceinline__ float chunk_dot_f32(const float* a, const float* b, u32 n, u32 lane) {
+    float acc = 0.0f;
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const u32 i = u * 128 + lane * 4;
+        if (i < n) {
+            const float4 x = *(const float4*)(a + i), y = *(const float4*)(b + i);
+            acc += x.x * y.x;
+            acc += x.y * y.y;
+            acc += x.z * y.z;
+            acc += x.w * y.w;
+        }
+    }
+    return acc;
 }
 
+// The canonical f32 dot of two n-vectors (n a multiple of 4, 16-byte aligned) by one warp.
+// Every lane gets the result.
+__device__ __forceinline__ float warp_dot_f32(const float* a, const float* b, u32 n, u32 lane) {
+    float total = 0.0f;
+    for (u32 c = 0; c < n; c += DS4_CHUNK) total += warp_sum(chunk_dot_f32(a + c, b + c, n - c, lane));
+    return total;
+}
+
+// The canonical exp (numerics::exp): Cody-Waite reduction, degree-7 Taylor polynomial by
+// Horner, two exact power-of-two scalings; results below 2^-126 flush to zero. With --fmad=false
+// every operation rounds separately, as on the CPU.
+__device__ __forceinline__ float ds4_pow2i(int k) { return __int_as_float((k + 127) << 23); }
+__device__ __forceinline__ float ds4_expf(float x) {
+    if (x != x) return x;
+    if (x > DS4_EXP_MAX) return __int_as_float(0x7f800000);
+    if (x < DS4_EXP_MIN) return 0.0f;
+    const float k = rintf(x * DS4_LOG2_E);
+    const float r = (x - k * DS4_LN2_HI) - k * DS4_LN2_LO;
+    float p = DS4_EXP_C7;
+    p = p * r + DS4_EXP_C6;
+    p = p * r + DS4_EXP_C5;
+    p = p * r + DS4_EXP_C4;
+    p = p * r + DS4_EXP_C3;
+    p = p * r + DS4_EXP_C2;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int ki = (int)k;
+    const int k1 = ki / 2;
+    const float y = p * ds4_pow2i(k1) * ds4_pow2i(ki - k1);
+    return y < __int_as_float(0x00800000) ? 0.0f : y;
+}
+
+// The canonical log1p (numerics::ln_1p).
 __device__ __forceinline__ float ds4_log1pf(float x) {
     if (x != x || x < -1.0f) return __int_as_float(0x7fc00000);
     if (x == -1.0f) return __int_as_float(0xff800000);
     if (x == __int_as_float(0x7f800000)) return x;
-    const double xd = (double)x;
-    if (fabs(xd) < 1e-4) return (float)(xd - xd * xd / 2.0 + xd * xd * xd / 3.0 - xd * xd * xd * xd / 4.0);
-    const double y = 1.0 + xd;
-    const unsigned long long bits = (unsigned long long)__double_as_longlong(y);
-    long long j = (long long)((bits >> 52) & 0x7ff) - 1023;
-    double m = __longlong_as_double((long long)((bits & 0x000fffffffffffffULL) | (1023ULL << 52)));
-    if (m > 1.4142135623730951) {
-        m /= 2.0;
+    if (fabsf(x) < 2.44140625e-4f) {
+        const float x2 = x * x;
+        return (x - x2 * 0.5f) + (x2 * x) * DS4_LN_THIRD;
+    }
+    const float u = 1.0f + x;
+    const float c = u < 16777216.0f ? (x - (u - 1.0f)) / u : 0.0f;
+    const u32 bits = __float_as_uint(u);
+    int j = (int)((bits >> 23) & 0xff) - 127;
+    float m = __uint_as_float((bits & 0x007fffffu) | 0x3f800000u);
+    if (m > DS4_SQRT2) {
+        m *= 0.5f;
         j += 1;
     }
-    const double f = m - 1.0;
-    const double s = f / (2.0 + f);
-    const double z = s * s;
-    // Horner over 1/(2i+1) for i = 11 down to 0.
-    double p = 0.043478260869565216;
-    p = p * z + 0.047619047619047616;
-    p = p * z + 0.05263157894736842;
-    p = p * z + 0.058823529411764705;
-    p = p * z + 0.06666666666666667;
-    p = p * z + 0.07692307692307693;
-    p = p * z + 0.09090909090909091;
-    p = p * z + 0.1111111111111111;
-    p = p * z + 0.14285714285714285;
-    p = p * z + 0.2;
-    p = p * z + 0.3333333333333333;
-    p = p * z + 1.0;
-    return (float)((double)j * 0.6931471805599453 + 2.0 * s * p);
+    const float f = m - 1.0f;
+    const float hfsq = 0.5f * f * f;
+    const float s = f / (2.0f + f);
+    const float z = s * s;
+    float p = DS4_LN_P5;
+    p = p * z + DS4_LN_P4;
+    p = p * z + DS4_LN_P3;
+    p = p * z + DS4_LN_P2;
+    p = p * z + DS4_LN_P1;
+    const float r = z * p;
+    const float jf = (float)j;
+    return jf * DS4_LN2_HI - ((hfsq - (s * (hfsq + r) + (jf * DS4_LN2_LO + c))) - f);
 }
 
-__device__ __forceinline__ float ds4_log2f(float x) { return (float)log2((double)x); }
+// The smallest power of two >= t, for positive normal t (numerics::pow2_ceil).
+__device__ __forceinline__ float ds4_pow2_ceil(float t) {
+    const u32 b = __float_as_uint(t);
+    return (b & 0x007fffffu) == 0 ? t : __uint_as_float((b & 0x7f800000u) + 0x00800000u);
+}
 
 __device__ __forceinline__ float sigmoid_stable(float x) {
     if (x >= 0.0f) return 1.0f / (1.0f + ds4_expf(-x));
@@ -185,10 +183,3 @@ __device__ __forceinline__ float swiglu_clamped(float g, float u, float clamp) {
     }
     return silu(g) * u;
 }
-
-// Q8_K activation block, laid out as `quant::BlockQ8K` (292 bytes).
-struct BlockQ8K {
-    float d;
-    i8 qs[256];
-    i16 bsums[16];
-};

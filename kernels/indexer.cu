@@ -1,39 +1,38 @@
 // The indexer: score every visible compressed row, then pick the top_k rows (ties to the lower
 // row), written in ascending row order.
 
-// One block of 128 threads per row (grid-stride over rows); thread h < n_head scores head h.
-extern "C" __global__ void indexer_scores(DS4_ARGS, const float* __restrict__ q, const float* __restrict__ weights,
-                                          const float* __restrict__ cache, float* __restrict__ out, u32 n_head,
-                                          u32 head_dim, float scale, u32 ratio, u32 cap) {
+// One block of 128 threads (4 warps) per row, grid-stride over rows. Warp w takes heads w, w+4,
+// ...: dot(q_h, k) in the canonical f32 order; then one thread adds the head terms
+// max(dot, 0) * (w_h * scale) sequentially, as the canonical profile defines.
+#define INDEXER_MAX_HEADS 128
+extern "C" __global__ void indexer_scores(DS4_ARGS, const IndexerScoresArgs a) {
     DS4_GUARD;
-    __shared__ float k[128];
-    __shared__ float part[128];
-    const u32 n = ds4_comp_rows(P, ratio, cap);
+    __shared__ float term[INDEXER_MAX_HEADS];
+    const u32 n = ds4_comp_rows(P, a.ratio, a.cap);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (u32 c = blockIdx.x; c < n; c += gridDim.x) {
+        const float* k = a.cache + (u64)c * a.head_dim;
         __syncthreads();
-        for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) k[i] = cache[(u64)c * head_dim + i];
-        __syncthreads();
-        float s = 0.0f;
-        for (u32 h = threadIdx.x; h < n_head; h += blockDim.x) {
-            const float* qh = q + (u64)h * head_dim;
-            float dot = 0.0f;
-            for (u32 i = 0; i < head_dim; i++) dot += k[i] * qh[i];
-            s += fmaxf(dot, 0.0f) * (weights[h] * scale);
+        for (u32 h = warp; h < a.n_head; h += nw) {
+            const float d = warp_dot_f32(k, a.q + (u64)h * a.head_dim, a.head_dim, lane);
+            if (lane == 0) term[h] = fmaxf(d, 0.0f) * (a.weights[h] * a.scale);
         }
-        part[threadIdx.x] = s;
         __syncthreads();
         if (threadIdx.x == 0) {
             float t = 0.0f;
-            for (u32 i = 0; i < blockDim.x; i++) t += part[i];
-            out[c] = t;
+            for (u32 h = 0; h < a.n_head; h++) t += term[h];
+            a.out[c] = t;
         }
     }
 }
 
 // One block of 1024 threads. `taken` is scratch with one int per row of capacity.
-extern "C" __global__ void indexer_top_k(DS4_ARGS, const float* __restrict__ scores, int* __restrict__ out,
-                                         int* __restrict__ taken, u32 top_k, u32 ratio, u32 cap) {
+extern "C" __global__ void indexer_top_k(DS4_ARGS, const IndexerTopKArgs a) {
     DS4_GUARD;
+    const float* scores = a.scores;
+    int* out = a.out;
+    int* taken = a.taken;
+    const u32 top_k = a.top_k, ratio = a.ratio, cap = a.cap;
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     __shared__ int picked[1024];

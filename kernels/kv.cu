@@ -25,8 +25,9 @@ __device__ float e4m3_round(float x) {
 }
 
 // One block of 64 threads per 64 non-RoPE dims; power-of-two scale from the block's amax.
-extern "C" __global__ void fp8_round_trip(DS4_ARGS, float* __restrict__ x) {
+extern "C" __global__ void fp8_round_trip(DS4_ARGS, const Fp8RoundTripArgs a) {
     DS4_GUARD;
+    float* x = a.x;
     __shared__ float wmax[2];
     const u32 i = blockIdx.x * 64 + threadIdx.x;
     const float v = x[i];
@@ -34,7 +35,7 @@ extern "C" __global__ void fp8_round_trip(DS4_ARGS, float* __restrict__ x) {
     if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = m;
     __syncthreads();
     const float amax = fmaxf(fmaxf(wmax[0], wmax[1]), 1.0e-4f);
-    const float scale = ldexpf(1.0f, (int)ceilf(ds4_log2f(amax / 448.0f)));
+    const float scale = ds4_pow2_ceil(amax / 448.0f);
     x[i] = e4m3_round(fminf(fmaxf(v / scale, -448.0f), 448.0f)) * scale;
 }
 
@@ -55,8 +56,9 @@ __device__ float e2m1_round(float x) {
 }
 
 // One block of 128 threads per row: Hadamard-128, then FP4 E2M1 per 32 (one warp each).
-extern "C" __global__ void indexer_qat(DS4_ARGS, float* __restrict__ x) {
+extern "C" __global__ void indexer_qat(DS4_ARGS, const IndexerQatArgs a) {
     DS4_GUARD;
+    float* x = a.x;
     __shared__ float s[128];
     float* row = x + (u64)blockIdx.x * 128;
     const u32 t = threadIdx.x;
@@ -71,49 +73,49 @@ extern "C" __global__ void indexer_qat(DS4_ARGS, float* __restrict__ x) {
         s[t] = v;
         __syncthreads();
     }
-    const float v = s[t] * 0.08838834764831845f;
+    const float v = s[t] * DS4_HADAMARD_SCALE;
     const float amax = fmaxf(warp_max(fabsf(v)), 7.052966104933725e-38f);
-    const float scale = ldexpf(1.0f, (int)ceilf(ds4_log2f(amax / 6.0f)));
+    const float scale = ds4_pow2_ceil(amax / 6.0f);
     row[t] = e2m1_round(fminf(fmaxf(v / scale, -6.0f), 6.0f)) * scale;
 }
 
 // The token's KV row, f16-rounded, into ring row pos % raw_cap.
-extern "C" __global__ void store_raw(DS4_ARGS, const float* __restrict__ kv, float* __restrict__ cache, u32 dim,
-                                     u32 raw_cap) {
+extern "C" __global__ void store_raw(DS4_ARGS, const StoreRawArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= dim) return;
-    cache[(u64)(P->pos % raw_cap) * dim + i] = round_f16(kv[i]);
+    if (i >= a.dim) return;
+    a.cache[(u64)(P->pos % a.raw_cap) * a.dim + i] = round_f16(a.kv[i]);
 }
 
 // This token's compressed row, f16-rounded, as row (pos+1)/ratio - 1.
-extern "C" __global__ void store_comp_row(DS4_ARGS, const float* __restrict__ row, float* __restrict__ cache,
-                                          u32 dim, u32 ratio) {
+extern "C" __global__ void store_comp_row(DS4_ARGS, const StoreCompRowArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    const u32 n = (P->pos + 1) / ratio;
-    if (i >= dim || n == 0) return;
-    cache[(u64)(n - 1) * dim + i] = round_f16(row[i]);
+    const u32 n = (P->pos + 1) / a.ratio;
+    if (i >= a.dim || n == 0) return;
+    a.cache[(u64)(n - 1) * a.dim + i] = round_f16(a.row[i]);
 }
 
 // Window state row (4 + pos%4 for ratio 4, else pos%ratio) = kv, score + ape[pos % ratio].
-extern "C" __global__ void compressor_store(DS4_ARGS, const float* __restrict__ kv, const float* __restrict__ score,
-                                            const void* __restrict__ ape, u32 ape_f16, float* __restrict__ state_kv,
-                                            float* __restrict__ state_score, u32 width, u32 ratio) {
+extern "C" __global__ void compressor_store(DS4_ARGS, const CompressorStoreArgs a) {
     DS4_GUARD;
+    const u32 width = a.width, ratio = a.ratio;
     const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= width) return;
     const u32 pos_mod = P->pos % ratio;
     const u32 row = ratio == 4 ? 4 + pos_mod : pos_mod;
-    state_kv[(u64)row * width + j] = kv[j];
-    state_score[(u64)row * width + j] = score[j] + wload(ape, ape_f16, (u64)pos_mod * width + j);
+    a.state_kv[(u64)row * width + j] = a.kv[j];
+    a.state_score[(u64)row * width + j] = a.score[j] + wload(a.ape, a.ape_f16, (u64)pos_mod * width + j);
 }
 
 // Softmax pool per dim over the window; ratio 4 mixes rows 0..4 (first half) with rows 4..8
 // (second half), interleaved in the sums as ds4 does.
-extern "C" __global__ void compressor_pool(DS4_ARGS, const float* __restrict__ kv, const float* __restrict__ score,
-                                           float* __restrict__ out, u32 head_dim, u32 ratio) {
+extern "C" __global__ void compressor_pool(DS4_ARGS, const CompressorPoolArgs a) {
     DS4_GUARD;
+    const float* kv = a.kv;
+    const float* score = a.score;
+    float* out = a.out;
+    const u32 head_dim = a.head_dim, ratio = a.ratio;
     const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= head_dim) return;
     const u32 width = ratio == 4 ? 2 * head_dim : head_dim;
@@ -151,11 +153,10 @@ extern "C" __global__ void compressor_pool(DS4_ARGS, const float* __restrict__ k
 }
 
 // Ratio 4: rows 4..8 become rows 0..4, for both kv and score.
-extern "C" __global__ void compressor_shift(DS4_ARGS, float* __restrict__ state_kv, float* __restrict__ state_score,
-                                            u32 n) {
+extern "C" __global__ void compressor_shift(DS4_ARGS, const CompressorShiftArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    state_kv[i] = state_kv[n + i];
-    state_score[i] = state_score[n + i];
+    if (i >= a.n) return;
+    a.state_kv[i] = a.state_kv[a.n + i];
+    a.state_score[i] = a.state_score[a.n + i];
 }

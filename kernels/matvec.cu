@@ -1,114 +1,125 @@
-// MatVec and MatVecGrouped: dense F16 / F32 / Q8_0 weights. Q8_0 quantizes the activation per
-// 32 first (d = amax/127, round half to even), then does integer dots, as ds4's CPU path does.
-// Every row sums in the CPU reference's order (sequentially), so results match it bit for bit.
-// Rows of group g read x[g*in_dim ..].
+// MatVec and MatVecGrouped: dense F16 / F32 / Q8_0 weights, every row in the canonical order
+// (src/numerics.rs): chunks of 512 terms (F16: 8 per lane step, F32: 4) or 32 blocks (Q8_0: one
+// block per lane), each chunk reduced by the butterfly, chunk sums added in order from +0.
+// Rows of group g read x[g*in_dim ..]. One warp per row; narrow matrices split the row's chunks
+// over warps (split-K) and add the chunk sums in a second launch, which gives the same bits.
 
-// One warp per 32-block.
-extern "C" __global__ void quantize_q8_0(DS4_ARGS, const float* __restrict__ x, i8* __restrict__ xq,
-                                         float* __restrict__ xd, u32 n) {
+// One warp per 32-block: d = amax/127, q = round-half-even(x * (1/d)), as ds4.
+extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
     DS4_GUARD;
     const u32 lane = threadIdx.x & 31;
     const u32 b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b * 32 >= n) return;
-    const float v = x[b * 32 + lane];
+    if (b * 32 >= a.n) return;
+    const float v = a.x[b * 32 + lane];
     const float amax = warp_max(fabsf(v));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     int q = (int)rintf(v * id);
     q = max(-128, min(127, q));
-    xq[b * 32 + lane] = (i8)q;
-    if (lane == 0) xd[b] = d;
+    a.xq[b * 32 + lane] = (i8)q;
+    if (lane == 0) a.xd[b] = d;
 }
 
-// One warp per row: lanes compute each block's term f16(d_w)·d_x·isum (integer dots are exact in
-// any order), then lane 0 adds the terms in block order.
-#define Q8_MAX_BLOCKS 512
-extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const u8* __restrict__ w, const i8* __restrict__ xq,
-                                        const float* __restrict__ xd, float* __restrict__ out, u32 in_dim, u32 rows,
-                                        u32 rows_per_group) {
-    DS4_GUARD;
-    __shared__ float terms[8][Q8_MAX_BLOCKS];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 r = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (r >= rows) return;
-    const u32 nb = in_dim / 32;
-    const u32 g = r / rows_per_group;
-    const u8* row = w + (u64)r * nb * 34;
-    const int* x4 = (const int*)(xq + (u64)g * in_dim);
-    const float* dx = xd + (u64)g * nb;
-    float* t = terms[warp];
-    for (u32 b = lane; b < nb; b += 32) {
-        const u8* blk = row + (u64)b * 34;
-        const u16* q16 = (const u16*)(blk + 2);  // blocks are 2-byte aligned, not 4
-        int isum = 0;
+// Lane `lane`'s term for block b: (f16(d_w) * d_x) * isum, the integer dot exact.
+__device__ __forceinline__ float q8_0_term(const u8* row, const int* x4, const float* dx, u32 b) {
+    const u8* blk = row + (u64)b * 34;
+    const u16* q16 = (const u16*)(blk + 2);  // GGUF blocks are 2-byte aligned, not 4
+    int isum = 0;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int wq = (int)((u32)q16[2 * k] | ((u32)q16[2 * k + 1] << 16));
-            isum = __dp4a(wq, x4[b * 8 + k], isum);
-        }
-        t[b] = h2f(*(const u16*)blk) * dx[b] * (float)isum;
+    for (int k = 0; k < 8; k++) {
+        const int wq = (int)((u32)q16[2 * k] | ((u32)q16[2 * k + 1] << 16));
+        isum = __dp4a(wq, x4[b * 8 + k], isum);
     }
-    __syncwarp();
-    if (lane == 0) {
-        float acc = 0.0f;
-        for (u32 b = 0; b < nb; b++) acc += t[b];
-        out[r] = acc;
-    }
+    return h2f(*(const u16*)blk) * dx[b] * (float)isum;
 }
 
-// One warp per row. The lanes form the products h2f(w)·x of 256 columns at a time (16-byte
-// loads, coalesced) into shared memory; lane 0 then adds them in column order, which is the
-// reference's sequential sum. The chain of adds sets the time, so the loads must not.
-extern "C" __global__ void mat_vec_f16(DS4_ARGS, const u16* __restrict__ w, const float* __restrict__ x,
-                                       float* __restrict__ out, u32 in_dim, u32 rows, u32 rows_per_group) {
+extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
     DS4_GUARD;
-    __shared__ float prod[8][256];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 r = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (r >= rows) return;
-    const u16* row = w + (u64)r * in_dim;
-    const float* xg = x + (u64)(r / rows_per_group) * in_dim;
-    float* p = prod[warp];
-    float acc = 0.0f;
-    if ((in_dim & 7) == 0) {
-        for (u32 c0 = 0; c0 < in_dim; c0 += 256) {
-            const u32 c = c0 + lane * 8;
-            if (c < in_dim) {
-                const uint4 q = *(const uint4*)(row + c);
-                const float4 a = *(const float4*)(xg + c), b = *(const float4*)(xg + c + 4);
-                float* o = p + lane * 8;
-                o[0] = h2f((u16)(q.x & 0xffff)) * a.x;
-                o[1] = h2f((u16)(q.x >> 16)) * a.y;
-                o[2] = h2f((u16)(q.y & 0xffff)) * a.z;
-                o[3] = h2f((u16)(q.y >> 16)) * a.w;
-                o[4] = h2f((u16)(q.z & 0xffff)) * b.x;
-                o[5] = h2f((u16)(q.z >> 16)) * b.y;
-                o[6] = h2f((u16)(q.w & 0xffff)) * b.z;
-                o[7] = h2f((u16)(q.w >> 16)) * b.w;
-            }
-            __syncwarp();
-            if (lane == 0) {
-                const u32 n = min(256u, in_dim - c0);
-#pragma unroll 8
-                for (u32 i = 0; i < n; i++) acc += p[i];
-            }
-            __syncwarp();
-        }
-    } else if (lane == 0) {
-        for (u32 i = 0; i < in_dim; i++) acc += h2f(row[i]) * xg[i];
+    const u32 lane = threadIdx.x & 31;
+    const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= a.rows) return;
+    const u32 nb = a.in_dim / 32;
+    const u32 g = r / a.rows_per_group;
+    const u8* row = a.w + (u64)r * nb * 34;
+    const int* x4 = (const int*)(a.xq + (u64)g * a.in_dim);
+    const float* dx = a.xd + (u64)g * nb;
+    float total = 0.0f;
+    for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
+        float acc = 0.0f;
+        if (c + lane < nb) acc += q8_0_term(row, x4, dx, c + lane);
+        total += warp_sum(acc);
     }
-    if (lane == 0) out[r] = acc;
+    if (lane == 0) a.out[r] = total;
 }
 
-// One thread per row; ds4 accumulates F32 matvecs in double.
-extern "C" __global__ void mat_vec_f32(DS4_ARGS, const float* __restrict__ w, const float* __restrict__ x,
-                                       float* __restrict__ out, u32 in_dim, u32 rows, u32 rows_per_group) {
+// Lane sum of one 512-term chunk of an F16 row (8 consecutive terms per lane step), from +0.
+// `n` is the number of terms left (a multiple of 8).
+__device__ __forceinline__ float chunk_dot_f16(const u16* w, const float* x, u32 n, u32 lane) {
+    float acc = 0.0f;
+#pragma unroll
+    for (u32 u = 0; u < 2; u++) {
+        const u32 i = u * 256 + lane * 8;
+        if (i < n) {
+            const uint4 q = *(const uint4*)(w + i);
+            const float4 p = *(const float4*)(x + i), s = *(const float4*)(x + i + 4);
+            acc += h2f((u16)(q.x & 0xffff)) * p.x;
+            acc += h2f((u16)(q.x >> 16)) * p.y;
+            acc += h2f((u16)(q.y & 0xffff)) * p.z;
+            acc += h2f((u16)(q.y >> 16)) * p.w;
+            acc += h2f((u16)(q.z & 0xffff)) * s.x;
+            acc += h2f((u16)(q.z >> 16)) * s.y;
+            acc += h2f((u16)(q.w & 0xffff)) * s.z;
+            acc += h2f((u16)(q.w >> 16)) * s.w;
+        }
+    }
+    return acc;
+}
+
+// One warp per row, all chunks.
+extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
+    DS4_GUARD;
+    const u32 lane = threadIdx.x & 31;
+    const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= a.rows) return;
+    const u16* row = a.w + (u64)r * a.in_dim;
+    const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
+    float total = 0.0f;
+#pragma unroll 4
+    for (u32 c = 0; c < a.in_dim; c += DS4_CHUNK) total += warp_sum(chunk_dot_f16(row + c, xg + c, a.in_dim - c, lane));
+    if (lane == 0) a.out[r] = total;
+}
+
+// Split-K: one warp per (row, chunk); partial[r * n_chunks + c] is the chunk's sum.
+extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs a) {
+    DS4_GUARD;
+    const u32 lane = threadIdx.x & 31;
+    const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (wid >= a.rows * a.n_chunks) return;
+    const u32 r = wid / a.n_chunks, c = (wid % a.n_chunks) * DS4_CHUNK;
+    const u16* row = a.w + (u64)r * a.in_dim;
+    const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
+    const float s = warp_sum(chunk_dot_f16(row + c, xg + c, a.in_dim - c, lane));
+    if (lane == 0) a.partial[wid] = s;
+}
+
+// out[r] = 0 + partial[r][0] + partial[r][1] + ... (the chunk sums in order).
+extern "C" __global__ void sum_chunks(DS4_ARGS, const SumChunksArgs a) {
     DS4_GUARD;
     const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const float* row = w + (u64)r * in_dim;
-    const float* xg = x + (u64)(r / rows_per_group) * in_dim;
-    double acc = 0.0;
-    for (u32 i = 0; i < in_dim; i++) acc += (double)row[i] * xg[i];
-    out[r] = (float)acc;
+    if (r >= a.rows) return;
+    float total = 0.0f;
+    for (u32 c = 0; c < a.n_chunks; c++) total += a.partial[(u64)r * a.n_chunks + c];
+    a.out[r] = total;
+}
+
+// One warp per row of an F32 matrix (4 terms per lane step).
+extern "C" __global__ void mat_vec_f32(DS4_ARGS, const MatVecF32Args a) {
+    DS4_GUARD;
+    const u32 lane = threadIdx.x & 31;
+    const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= a.rows) return;
+    const float* row = a.w + (u64)r * a.in_dim;
+    const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
+    const float total = warp_dot_f32(row, xg, a.in_dim, lane);
+    if (lane == 0) a.out[r] = total;
 }

@@ -4,10 +4,11 @@
 
 // One block of 256 threads: p = sqrt(softplus(logit)); experts from the hash table (by token) or
 // the top n_used of p + bias (ties to the lower expert); weights p[sel] / sum * scale.
-extern "C" __global__ void router_select(DS4_ARGS, const float* __restrict__ logits, const float* __restrict__ bias,
-                                         const int* __restrict__ hash, int* __restrict__ selected,
-                                         float* __restrict__ weights, u32 n_expert, u32 n_used, float scale) {
+extern "C" __global__ void router_select(DS4_ARGS, const RouterSelectArgs a) {
     DS4_GUARD;
+    const float* logits = a.logits;
+    const float* bias = a.bias;
+    const u32 n_expert = a.n_expert, n_used = a.n_used;
     __shared__ float probs[1024];
     __shared__ float choice[1024];
     for (u32 i = threadIdx.x; i < n_expert; i += blockDim.x) {
@@ -19,8 +20,10 @@ extern "C" __global__ void router_select(DS4_ARGS, const float* __restrict__ log
     __syncthreads();
     if (threadIdx.x != 0) return;
     int sel[16];
-    if (hash) {
-        for (u32 k = 0; k < n_used; k++) sel[k] = hash[(u64)P->token * n_used + k];
+    if (a.hash) {
+        // A token past the table (refused on the host) or an id past the experts reads nothing.
+        const u32 token = min(P->token, a.n_vocab - 1);
+        for (u32 k = 0; k < n_used; k++) sel[k] = min(max(a.hash[(u64)token * n_used + k], 0), (int)n_expert - 1);
     } else {
         for (u32 k = 0; k < n_used; k++) sel[k] = -1;
         for (u32 i = 0; i < n_expert; i++) {
@@ -37,25 +40,27 @@ extern "C" __global__ void router_select(DS4_ARGS, const float* __restrict__ log
     for (u32 k = 0; k < n_used; k++) sum += probs[sel[k]];
     sum = fmaxf(sum, 6.103515625e-5f);
     for (u32 k = 0; k < n_used; k++) {
-        selected[k] = sel[k];
-        weights[k] = probs[sel[k]] / sum * scale;
+        a.selected[k] = sel[k];
+        a.weights[k] = probs[sel[k]] / sum * a.scale;
     }
 }
 
 // One block of 256 threads per 256 values. d = 1/iscale with iscale = -127/max, where max is the
 // value of largest magnitude (the first one on ties).
-extern "C" __global__ void quantize_q8_k(DS4_ARGS, const float* __restrict__ x, BlockQ8K* __restrict__ out) {
+extern "C" __global__ void quantize_q8_k(DS4_ARGS, const QuantizeQ8KArgs a) {
     DS4_GUARD;
+    const float* x = a.x;
+    BlockQ8K* out = a.out;
     __shared__ float wv[8];
     __shared__ int wi[8];
     __shared__ float maxv;
     const u32 b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const float v = x[(u64)b * 256 + t];
-    float a = fabsf(v);
+    float am = fabsf(v);
     int idx = (int)t;
-    warp_argmax(&a, &idx);
+    warp_argmax(&am, &idx);
     if (lane == 0) {
-        wv[warp] = a;
+        wv[warp] = am;
         wi[warp] = idx;
     }
     __syncthreads();
@@ -150,9 +155,10 @@ __device__ void sub_sums(u32 ty, const u8* blk, const BlockQ8K* y, int sb, const
 __device__ __forceinline__ u32 block_bytes(u32 ty) { return ty == 16 ? 66 : (ty == 10 ? 84 : 144); }
 
 #define MOE_MAX_BLOCKS 64
-// One warp per row: the dot of a weight row (n_blocks 256-blocks) with Q8_K blocks. Lanes add
-// integer sums per block (exact in any order); lane 0 then accumulates the blocks in order with
-// the CPU reference's float formula. The result is valid in lane 0.
+// One warp per row: the dot of a weight row (n_blocks 256-blocks) with Q8_K blocks in the
+// canonical order. Lanes add integer sums per block (exact in any order); then lane l takes the
+// term of block c + l of each 32-block chunk, the butterfly reduces the chunk, and the chunk sums
+// add in order. Every lane gets the result.
 __device__ float row_dot(u32 ty, const u8* row, const BlockQ8K* y, u32 n_blocks, const u64* grid) {
     __shared__ int isum_sh[8][MOE_MAX_BLOCKS];
     __shared__ int summ_sh[8][MOE_MAX_BLOCKS];
@@ -171,55 +177,54 @@ __device__ float row_dot(u32 ty, const u8* row, const BlockQ8K* y, u32 n_blocks,
         atomicAdd(&sm[s / 8], m);
     }
     __syncwarp();
-    float sumf = 0.0f;
-    if (lane == 0) {
-        for (u32 b = 0; b < n_blocks; b++) {
+    float total = 0.0f;
+    for (u32 c = 0; c < n_blocks; c += DS4_BLOCK_CHUNK) {
+        float acc = 0.0f;
+        const u32 b = c + lane;
+        if (b < n_blocks) {
             const u8* blk = row + (u64)b * bb;
             const float yd = y[b].d;
             if (ty == 16) {
-                sumf += (h2f(*(const u16*)blk) * yd) * (float)is[b];
+                acc += (h2f(*(const u16*)blk) * yd) * (float)is[b];
             } else if (ty == 10) {
                 const float dall = yd * h2f(*(const u16*)(blk + 80)), dmin = yd * h2f(*(const u16*)(blk + 82));
-                sumf += dall * (float)is[b] - dmin * (float)sm[b];
+                acc += dall * (float)is[b] - dmin * (float)sm[b];
             } else {
                 const float d = yd * h2f(*(const u16*)blk), dmin = yd * h2f(*(const u16*)(blk + 2));
-                sumf += d * (float)is[b] - dmin * (float)sm[b];
+                acc += d * (float)is[b] - dmin * (float)sm[b];
             }
         }
-        if (ty == 16) sumf = 0.125f * sumf;
+        total += warp_sum(acc);
     }
+    if (ty == 16) total = 0.125f * total;
     __syncwarp();
-    return sumf;
+    return total;
 }
 
 // mid[slot][r] = silu(min(gate,c)) * clamp(up,±c) * weight[slot]; one warp per (slot, row).
-extern "C" __global__ void moe_gate_up(DS4_ARGS, const BlockQ8K* __restrict__ xq, const int* __restrict__ selected,
-                                       const float* __restrict__ weights, const u8* __restrict__ gate,
-                                       const u8* __restrict__ up, u32 gate_ty, u32 up_ty, float* __restrict__ mid,
-                                       u32 in_dim, u32 ff, u32 n_used, float clamp, const u64* __restrict__ grid) {
+extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
     DS4_GUARD;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (wid >= n_used * ff) return;
-    const u32 slot = wid / ff, r = wid % ff;
-    const u64 e = (u64)selected[slot];
-    const u64 g_rb = (u64)(in_dim / 256) * block_bytes(gate_ty), u_rb = (u64)(in_dim / 256) * block_bytes(up_ty);
-    const float g = row_dot(gate_ty, gate + (e * ff + r) * g_rb, xq, in_dim / 256, grid);
-    const float u = row_dot(up_ty, up + (e * ff + r) * u_rb, xq, in_dim / 256, grid);
-    if ((threadIdx.x & 31) == 0) mid[wid] = swiglu_clamped(g, u, clamp) * weights[slot];
+    if (wid >= a.n_used * a.ff) return;
+    const u32 slot = wid / a.ff, r = wid % a.ff;
+    const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
+    const u64 g_rb = (u64)(a.in_dim / 256) * block_bytes(a.gate_ty), u_rb = (u64)(a.in_dim / 256) * block_bytes(a.up_ty);
+    const float g = row_dot(a.gate_ty, a.gate + (e * a.ff + r) * g_rb, a.xq, a.in_dim / 256, a.grid);
+    const float u = row_dot(a.up_ty, a.up + (e * a.ff + r) * u_rb, a.xq, a.in_dim / 256, a.grid);
+    if ((threadIdx.x & 31) == 0) a.mid[wid] = swiglu_clamped(g, u, a.clamp) * a.weights[slot];
 }
 
-// out[r] = sum over slots of down_e(row r) · midq[slot]; one warp per output row.
-extern "C" __global__ void moe_down(DS4_ARGS, const BlockQ8K* __restrict__ midq, const int* __restrict__ selected,
-                                    const u8* __restrict__ down, u32 down_ty, float* __restrict__ out, u32 ff,
-                                    u32 out_dim, u32 n_used, const u64* __restrict__ grid) {
+// out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per row.
+extern "C" __global__ void moe_down(DS4_ARGS, const MoeDownArgs a) {
     DS4_GUARD;
     const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= out_dim) return;
-    const u64 rb = (u64)(ff / 256) * block_bytes(down_ty);
+    if (r >= a.out_dim) return;
+    const u64 rb = (u64)(a.ff / 256) * block_bytes(a.down_ty);
     float acc = 0.0f;
-    for (u32 slot = 0; slot < n_used; slot++) {
-        const u64 e = (u64)selected[slot];
-        acc += row_dot(down_ty, down + (e * out_dim + r) * rb, midq + (u64)slot * (ff / 256), ff / 256, grid);
+    for (u32 slot = 0; slot < a.n_used; slot++) {
+        const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
+        acc += row_dot(a.down_ty, a.down + (e * a.out_dim + r) * rb, a.midq + (u64)slot * (a.ff / 256), a.ff / 256,
+                       a.grid);
     }
-    if ((threadIdx.x & 31) == 0) out[r] = acc;
+    if ((threadIdx.x & 31) == 0) a.out[r] = acc;
 }

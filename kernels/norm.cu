@@ -1,16 +1,31 @@
-// RmsNorm: one block per row. Sums of squares in double, scale = 1/sqrt(mean + eps) in f32,
-// out = x * scale * w, as ds4's CPU path. `out` may alias `x`.
-extern "C" __global__ void rms_norm(DS4_ARGS, const float* x, const float* __restrict__ w, float* out, u32 n,
-                                    float eps) {
+// RmsNorm in the canonical order: one block of 256 threads per row; warp w sums the chunks
+// w, w + 8, ... (512 terms each, 4 per lane step) and the chunk sums add in order.
+// mean = ss / n, scale = 1 / sqrt(mean + eps), out = (x * scale) * w. `out` may alias `x`.
+#define NORM_MAX_CHUNKS 64
+extern "C" __global__ void rms_norm(DS4_ARGS, const RmsNormArgs a) {
     DS4_GUARD;
-    const float* xr = x + (u64)blockIdx.x * n;
-    float* orow = out + (u64)blockIdx.x * n;
-    double ss = 0.0;
-    for (u32 i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * xr[i];
-    ss = block_sum_d(ss);
-    const float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    __shared__ float chunk_sums[NORM_MAX_CHUNKS];
+    __shared__ float scale_sh;
+    const u32 n = a.n;
+    const float* xr = a.x + (u64)blockIdx.x * n;
+    float* orow = a.out + (u64)blockIdx.x * n;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 n_chunks = (n + DS4_CHUNK - 1) / DS4_CHUNK;
+    for (u32 c = warp; c < n_chunks; c += nw) {
+        const float* xc = xr + c * DS4_CHUNK;
+        const float s = warp_sum(chunk_dot_f32(xc, xc, n - c * DS4_CHUNK, lane));
+        if (lane == 0) chunk_sums[c] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float ss = 0.0f;
+        for (u32 c = 0; c < n_chunks; c++) ss += chunk_sums[c];
+        scale_sh = 1.0f / sqrtf(ss / (float)n + a.eps);
+    }
+    __syncthreads();
+    const float scale = scale_sh;
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = xr[i] * scale;
-        orow[i] = w ? v * w[i] : v;
+        orow[i] = a.w ? v * a.w[i] : v;
     }
 }

@@ -23,6 +23,8 @@ impl BackendError {
 /// Compiles a recorded program into something that runs it.
 pub trait Backend {
     fn name(&self) -> &'static str;
+    /// The numerics profile it computes in (`crate::numerics`).
+    fn numerics(&self) -> crate::numerics::Numerics;
     /// Prepares everything once: buffers, pipelines or kernels, uploaded weights.
     fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError>;
 }
@@ -31,7 +33,8 @@ pub trait Backend {
 pub trait Executable {
     /// The program this executable runs; it never changes after `compile`.
     fn program(&self) -> &Arc<Program>;
-    /// Runs one token with these parameters.
+    /// Runs one token with these parameters. A position at or beyond the program's context, or a
+    /// token outside the vocabulary, is refused before anything runs ([`Program::check_params`]).
     fn step(&mut self, params: &StepParams) -> Result<(), BackendError>;
     /// Runs only the recorded ops `ops` (by index) of a step, eagerly. For bisecting a difference
     /// between backends (`ds4 check --bisect`); a normal token uses `step`.
@@ -47,6 +50,11 @@ pub trait Executable {
     fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError>;
     /// Refills every state buffer with its initial value (a fresh context).
     fn reset(&mut self) -> Result<(), BackendError>;
+    /// Diagnostics since the last call (for example a CUDA graph that fell back to eager
+    /// launches). Library code never prints; the caller decides where these go.
+    fn take_warnings(&mut self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The backends a user can ask for.
@@ -92,14 +100,15 @@ pub struct BackendOptions {
     pub threads: usize,
     /// CUDA: capture the token as one graph (true) or launch eagerly.
     pub graphs: bool,
-    /// CPU: the C library's exp/log1p (ds4's numbers) or the portable ones (the GPUs' numbers).
-    pub math: crate::math::MathMode,
+    /// The numerics profile (`ds4` or `canonical`). The GPU backends implement only
+    /// `canonical` and refuse anything else.
+    pub numerics: crate::numerics::Numerics,
 }
 
 /// Creates a backend of `kind`. A backend this build or machine lacks is an error that says so.
 pub fn create(kind: BackendKind, opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     match kind {
-        BackendKind::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend::with_math(opts.threads, opts.math)?)),
+        BackendKind::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend::with_numerics(opts.threads, opts.numerics)?)),
         BackendKind::Wgpu => crate::backends::wgpu::create(opts),
         BackendKind::Cuda => crate::backends::cuda::create(opts),
     }

@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ds4::backend::{self, Backend, BackendKind, BackendOptions};
 use ds4::gguf;
 use ds4::model::Model;
+use ds4::numerics::Numerics;
 use ds4::sample::{Sampler, SamplerConfig};
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
@@ -76,9 +77,18 @@ enum BackendArg {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-enum MathArg {
-    Libm,
-    Portable,
+enum NumericsArg {
+    Ds4,
+    Canonical,
+}
+
+impl NumericsArg {
+    fn profile(self) -> Numerics {
+        match self {
+            NumericsArg::Ds4 => Numerics::Ds4,
+            NumericsArg::Canonical => Numerics::Canonical,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -104,9 +114,10 @@ struct ModelArgs {
     /// CPU worker threads (0: all cores).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
-    /// CPU exp/log1p: `libm` gives ds4's own numbers, `portable` the GPU backends' numbers.
-    #[arg(long, value_enum, default_value_t = MathArg::Libm)]
-    math: MathArg,
+    /// Numerics profile: `ds4` (CPU only, ds4's own numbers; the CPU's default) or `canonical`
+    /// (bit-identical on every backend; the only one the GPU backends implement).
+    #[arg(long, value_enum)]
+    numerics: Option<NumericsArg>,
     /// Context length in tokens.
     #[arg(short, long, default_value_t = 32768)]
     ctx: usize,
@@ -195,6 +206,11 @@ struct CheckArgs {
     /// The backend compared against --backend (ignored with --logits).
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     against: BackendArg,
+    /// The numerics profile of --against. Default: canonical when either side is a GPU backend,
+    /// else the same as --numerics. `--backend cpu --numerics ds4 --against cpu
+    /// --against-numerics canonical` compares the two profiles.
+    #[arg(long, value_enum)]
+    against_numerics: Option<NumericsArg>,
     /// Reference logits (steps x vocab little-endian f32), e.g. from `run --dump-logits`.
     #[arg(long)]
     logits: Option<PathBuf>,
@@ -215,9 +231,12 @@ struct CheckArgs {
     #[arg(long)]
     trace: bool,
     /// With --bisect: run each op on both backends from the same inputs (copied from --against)
-    /// and print each op's own difference.
+    /// and print each op's own difference, relative to the buffer's largest value.
     #[arg(long)]
     isolate: bool,
+    /// With --isolate: the largest relative difference an op may show (flips on a near-tie aside).
+    #[arg(long, default_value_t = 1e-5)]
+    rel_tolerance: f32,
 }
 
 #[derive(Args)]
@@ -313,25 +332,41 @@ fn backend_kind(b: BackendArg) -> Option<BackendKind> {
     }
 }
 
-/// The backend asked for; `auto` takes the first of cuda, wgpu, cpu that this build and machine offer.
-fn make_backend(m: &ModelArgs, which: BackendArg) -> Result<Box<dyn Backend>> {
-    let math = match m.math {
-        MathArg::Libm => ds4::math::MathMode::Libm,
-        MathArg::Portable => ds4::math::MathMode::Portable,
+/// The profile a backend computes in: GPU backends only `canonical`; the CPU `ds4` by default.
+fn numerics_for(kind: BackendKind, asked: Option<NumericsArg>) -> Result<Numerics> {
+    match (kind, asked) {
+        (BackendKind::Cpu, None) => Ok(Numerics::Ds4),
+        (BackendKind::Cpu, Some(a)) => Ok(a.profile()),
+        (_, None | Some(NumericsArg::Canonical)) => Ok(Numerics::Canonical),
+        (k, Some(NumericsArg::Ds4)) => {
+            bail!("--numerics ds4 is the CPU's profile; the {k} backend implements only --numerics canonical")
+        }
+    }
+}
+
+/// The backend asked for; `auto` takes the first of cuda, wgpu, cpu that this build and machine
+/// offer (only the cpu with `--numerics ds4`).
+fn make_backend(m: &ModelArgs, which: BackendArg, numerics: Option<NumericsArg>) -> Result<Box<dyn Backend>> {
+    let opts = |kind| -> Result<BackendOptions> {
+        Ok(BackendOptions {
+            threads: m.threads,
+            graphs: m.graphs == OnOff::On,
+            numerics: numerics_for(kind, numerics)?,
+        })
     };
-    let opts = BackendOptions { threads: m.threads, graphs: m.graphs == OnOff::On, math };
     match backend_kind(which) {
-        Some(kind) => Ok(backend::create(kind, opts)?),
+        Some(kind) => Ok(backend::create(kind, opts(kind)?)?),
+        None if numerics == Some(NumericsArg::Ds4) => Ok(backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?),
         None => {
             let mut skipped = Vec::new();
             for kind in [BackendKind::Cuda, BackendKind::Wgpu] {
-                match backend::create(kind, opts) {
+                match backend::create(kind, opts(kind)?) {
                     Ok(b) => return Ok(b),
                     Err(e) => skipped.push(e.msg),
                 }
             }
             eprintln!("ds4: --backend auto chose cpu (cuda: {}; wgpu: {})", skipped[0], skipped[1]);
-            Ok(backend::create(BackendKind::Cpu, opts)?)
+            Ok(backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?)
         }
     }
 }
@@ -351,7 +386,7 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Loaded, Session, Duration)
     let loaded = load(m);
     pb.finish_and_clear();
     let loaded = loaded?;
-    let backend = make_backend(m, which)?;
+    let backend = make_backend(m, which, m.numerics)?;
     let pb = spinner(&format!("preparing the {} backend", backend.name()));
     let session = Session::new(loaded.model.clone(), backend.as_ref(), m.ctx);
     pb.finish_and_clear();
@@ -359,9 +394,10 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Loaded, Session, Duration)
     let elapsed = t0.elapsed();
     let (ops, predicated) = session.program().op_counts();
     eprintln!(
-        "ds4: {} on {}: {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), loaded in {:.2} s",
+        "ds4: {} on {} ({} numerics): {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), loaded in {:.2} s",
         loaded.source,
         backend.name(),
+        backend.numerics(),
         loaded.model.config.n_layer,
         m.ctx,
         elapsed.as_secs_f64()
@@ -479,6 +515,9 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         writeln!(out)?;
     }
     let decode_time = t_decode.elapsed();
+    for w in session.take_warnings() {
+        eprintln!("ds4: {w}");
+    }
     if let (Some(path), Some(buf)) = (&a.dump_logits, &dump) {
         std::fs::write(path, buf).with_context(|| format!("cannot write {}", path.display()))?;
         let rows = buf.len() / 4 / logits.len().max(1);
@@ -495,7 +534,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_check(a: CheckArgs) -> Result<()> {
+fn cmd_check(mut a: CheckArgs) -> Result<()> {
+    if a.m.numerics.is_none() && matches!(a.against, BackendArg::Cuda | BackendArg::Wgpu) {
+        a.m.numerics = Some(NumericsArg::Canonical);
+    }
     let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
     let n_vocab = loaded.model.config.n_vocab;
     let reference: Option<Vec<f32>> = match &a.logits {
@@ -511,7 +553,13 @@ fn cmd_check(a: CheckArgs) -> Result<()> {
     let mut other = match reference {
         Some(_) => None,
         None => {
-            let b = make_backend(&a.m, a.against)?;
+            // Both sides compute in one profile unless told otherwise: canonical when a GPU is
+            // involved (the only profile the GPUs have), else the CPU's own.
+            let numerics = a.against_numerics.unwrap_or(match session.numerics() {
+                Numerics::Canonical => NumericsArg::Canonical,
+                Numerics::Ds4 => NumericsArg::Ds4,
+            });
+            let b = make_backend(&a.m, a.against, Some(numerics))?;
             Some(Session::new(loaded.model.clone(), b.as_ref(), a.m.ctx)?)
         }
     };
@@ -519,7 +567,7 @@ fn cmd_check(a: CheckArgs) -> Result<()> {
     if let (Some(pos), Some(o)) = (a.bisect, other.as_mut()) {
         let ids = token_ids.map_or(&[][..], |t| &t[..]);
         if a.isolate {
-            return isolate_ops(o, &mut session, ids, pos);
+            return isolate_ops(o, &mut session, ids, pos, a.rel_tolerance);
         }
         return bisect(&mut session, o, ids, pos, a.tolerance, a.trace);
     }
@@ -604,7 +652,12 @@ fn bisect(a: &mut Session, b: &mut Session, ids: &[u32], pos: usize, tol: f32, t
 
 /// Runs every op of position `pos` on both sessions from identical inputs: the reference `r`
 /// computes everything up to the op, its buffers are copied into `t`, then both run the op alone.
-fn isolate_ops(r: &mut Session, t: &mut Session, ids: &[u32], pos: usize) -> Result<()> {
+/// Each op's difference is relative to the largest |value| of the buffer it lands in. An op above
+/// `rel_tol` fails the check, except two kinds of flip that the two sides may legitimately make
+/// on a near-tie, counted and named apart: a changed selection (an integer buffer: router or
+/// indexer top-k) and a re-quantized intermediate (the experts' Q8_K `mid`).
+fn isolate_ops(r: &mut Session, t: &mut Session, ids: &[u32], pos: usize, rel_tol: f32) -> Result<()> {
+    use ds4::recorder::{Buf, DType, Op};
     let program = r.program().clone();
     let token = |p: usize| ds4::recorder::StepParams::new(ids.get(p).copied().unwrap_or(0), p as u32);
     let n_bufs = program.buffers().len();
@@ -612,36 +665,63 @@ fn isolate_ops(r: &mut Session, t: &mut Session, ids: &[u32], pos: usize) -> Res
     for p in 0..pos {
         r.executable().step(&token(p))?;
     }
+    let (mut within, mut flips, mut bad) = (0usize, Vec::new(), Vec::new());
     for (k, st) in program.steps().iter().enumerate() {
         let before: Vec<Vec<f32>> =
-            (0..n_bufs).map(|i| r.executable().read_buffer(ds4::recorder::Buf(i as u32))).collect::<Result<_, _>>()?;
+            (0..n_bufs).map(|i| r.executable().read_buffer(Buf(i as u32))).collect::<Result<_, _>>()?;
         for (i, v) in before.iter().enumerate() {
-            t.executable().write_buffer(ds4::recorder::Buf(i as u32), v)?;
+            t.executable().write_buffer(Buf(i as u32), v)?;
         }
         r.executable().step_ops(&token(pos), k..k + 1)?;
         t.executable().step_ops(&token(pos), k..k + 1)?;
-        let mut worst = (0.0f32, 0.0f32, String::new());
+        let (mut worst, mut worst_abs, mut scale, mut name) = (0.0f32, 0.0f32, 0.0f32, String::new());
+        let mut selection_changed = false;
         for (i, d) in program.buffers().iter().enumerate() {
-            let buf = ds4::recorder::Buf(i as u32);
+            let buf = Buf(i as u32);
             let (x, y) = (r.executable().read_buffer(buf)?, t.executable().read_buffer(buf)?);
             if x == before[i] && y == before[i] {
                 continue;
             }
+            if d.dtype == DType::I32 {
+                selection_changed |= x != y;
+                continue;
+            }
             let diff = max_abs_diff(&x, &y);
-            let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            if diff > worst.0 || worst.2.is_empty() {
-                worst = (diff, scale, d.name.clone());
+            let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let rel = if diff == 0.0 { 0.0 } else { diff / max.max(f32::MIN_POSITIVE) };
+            if rel > worst || name.is_empty() {
+                (worst, worst_abs, scale, name) = (rel, diff, max, d.name.clone());
             }
         }
         let active = st.cond.is_none_or(|c| c.eval(&token(pos)));
+        let what = if !active {
+            "skipped"
+        } else if selection_changed {
+            flips.push(format!("op #{k} {} (selection)", st.op.name()));
+            "selection flip"
+        } else if worst > rel_tol && matches!(st.op, Op::MoeExperts { .. }) {
+            flips.push(format!("op #{k} {} (Q8_K re-quantization, relative {worst:.1e})", st.op.name()));
+            "quantization flip"
+        } else if worst > rel_tol || !worst.is_finite() {
+            bad.push(format!("op #{k} {} (relative {worst:.3e} in {name})", st.op.name()));
+            "OVER"
+        } else {
+            within += 1;
+            ""
+        };
         println!(
-            "op #{k:3} {:18}{} max |diff| {:.3e} (max |value| {:.3e}) in {}",
-            st.op.name(),
-            if active { "" } else { " (skipped)" },
-            worst.0,
-            worst.1,
-            worst.2
+            "op #{k:3} {:18} relative {worst:.3e} (|diff| {worst_abs:.3e}, max |value| {scale:.3e}) in {name} {what}",
+            st.op.name()
         );
+    }
+    println!(
+        "{within} ops within a relative {rel_tol:e}; {} flips on a near-tie{}{}",
+        flips.len(),
+        if flips.is_empty() { String::new() } else { format!(": {}", flips.join(", ")) },
+        if bad.is_empty() { String::new() } else { format!("; {} ops over: {}", bad.len(), bad.join(", ")) }
+    );
+    if !bad.is_empty() {
+        bail!("{} ops differ by more than a relative {rel_tol:e} from identical inputs", bad.len());
     }
     Ok(())
 }
@@ -663,6 +743,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         logits = session.eval(next)?.to_vec();
     }
     let decode_time = t1.elapsed();
+    for w in session.take_warnings() {
+        eprintln!("ds4: {w}");
+    }
     let bytes = loaded.model.weights.decode_bytes_per_token(cfg) as f64;
     let tps = rate(a.tokens, decode_time);
     println!("model      {}", loaded.source);

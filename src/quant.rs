@@ -1,5 +1,7 @@
 //! Block formats: layouts, dequantization, CPU dot products and activation quantizers.
 
+use crate::numerics;
+
 /// GGML tensor types, with the ids GGUF stores. The reader knows every standard type so that
 /// `inspect` can describe any file; the engine itself computes with the subset
 /// F32, F16, Q8_0, Q2_K, IQ2_XXS, Q4_K and I32.
@@ -735,8 +737,15 @@ pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
 // Dot products
 // ---------------------------------------------------------------------------------------------
 
+/// One Q8_0 block's term: `(f16(d_w)·d_x)·Σ w·x`, the integer sum exact.
+#[inline]
+fn q8_0_term(b: &[u8], xq: &[i8], dx: f32) -> f32 {
+    let isum: i32 = b[2..Q8_0_BYTES].iter().zip(xq).map(|(&w, &x)| i32::from(w as i8) * i32::from(x)).sum();
+    le_f16(b, 0) * dx * isum as f32
+}
+
 /// Dot product of one Q8_0 weight row (raw blocks) with a Q8_0-quantized activation from
-/// [`quantize_q8_0`]: per block `acc += (f16(d_w)·d_x)·Σ w·x` in f32, in block order.
+/// [`quantize_q8_0`]: per block `acc += (f16(d_w)·d_x)·Σ w·x` in f32, in block order (ds4's order).
 ///
 /// Preconditions (checked with `debug_assert!`): `row.len()` is a multiple of 34 and `qs`/`d`
 /// cover at least `row.len() / 34` blocks. Only whole blocks present in all inputs are used.
@@ -746,11 +755,17 @@ pub fn dot_q8_0(row: &[u8], qs: &[i8], d: &[f32]) -> f32 {
     debug_assert!(qs.len() >= blocks * QK8_0 && d.len() >= blocks);
     let mut acc = 0.0f32;
     for ((b, xq), &dx) in row.chunks_exact(Q8_0_BYTES).zip(qs.chunks_exact(QK8_0)).zip(d) {
-        let dw = le_f16(b, 0);
-        let isum: i32 = b[2..Q8_0_BYTES].iter().zip(xq).map(|(&w, &x)| i32::from(w as i8) * i32::from(x)).sum();
-        acc += dw * dx * isum as f32;
+        acc += q8_0_term(b, xq, dx);
     }
     acc
+}
+
+/// [`dot_q8_0`] with the block terms added in the canonical order (`crate::numerics`).
+pub fn dot_q8_0_canonical(row: &[u8], qs: &[i8], d: &[f32]) -> f32 {
+    let blocks = (row.len() / Q8_0_BYTES).min(qs.len() / QK8_0).min(d.len());
+    numerics::sum_blocks(blocks, |b| {
+        q8_0_term(&row[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES], &qs[b * QK8_0..(b + 1) * QK8_0], d[b])
+    })
 }
 
 /// Dot product of an F16 weight row (raw little-endian bytes) with f32 values, accumulated
@@ -765,6 +780,14 @@ pub fn dot_f16_f32(row: &[u8], x: &[f32]) -> f32 {
     acc
 }
 
+/// [`dot_f16_f32`] in the canonical order: 8 terms per lane step, chunks of 512.
+pub fn dot_f16_f32_canonical(row: &[u8], x: &[f32]) -> f32 {
+    let n = (row.len() / 2).min(x.len());
+    numerics::sum::<{ numerics::F16_WIDTH }, { numerics::CHUNK }>(n, |i| {
+        f16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i]
+    })
+}
+
 /// Dot product of an F32 weight row (raw little-endian bytes) with f32 values, accumulated in
 /// f64 and rounded to f32 at the end. Precondition: `row.len() == 4 * x.len()` (checked with
 /// `debug_assert!`; otherwise the shorter length is used).
@@ -777,108 +800,145 @@ pub fn dot_f32_f32(row: &[u8], x: &[f32]) -> f32 {
     acc as f32
 }
 
+/// [`dot_f32_f32`] in the canonical order, in f32: 4 terms per lane step, chunks of 512.
+pub fn dot_f32_f32_canonical(row: &[u8], x: &[f32]) -> f32 {
+    let n = (row.len() / 4).min(x.len());
+    numerics::sum::<{ numerics::F32_WIDTH }, { numerics::CHUNK }>(n, |i| {
+        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]) * x[i]
+    })
+}
+
 /// Σ ((q2 >> shift) & 3) · q8 over 16 values.
 #[inline(always)]
 fn dot_q2_16(q2: &[u8], q8: &[i8], shift: u32) -> i32 {
     q2.iter().zip(q8).map(|(&q, &y)| i32::from((q >> shift) & 3) * i32::from(y)).sum()
 }
 
-/// Dot product of one Q2_K weight row (raw blocks) with Q8_K activation blocks.
-///
-/// Per super-block: integer sums per 16 values times their 4-bit scale give `isum`, the mins
-/// times `bsums` give `summs`, and `acc += (d_y·d)·isum − (d_y·dmin)·summs` in f32.
+/// One Q2_K super-block's term: integer sums per 16 values times their 4-bit scale give `isum`,
+/// the mins times `bsums` give `summs`, and the term is `(d_y·d)·isum − (d_y·dmin)·summs`.
+#[inline]
+fn q2_k_term(b: &[u8], y: &BlockQ8K) -> f32 {
+    let sc = &b[0..16];
+    let qs = &b[16..80];
+    let summs: i32 = sc.iter().zip(&y.bsums).map(|(&s, &bs)| i32::from(s >> 4) * i32::from(bs)).sum();
+    let dall = y.d * le_f16(b, 80);
+    let dmin = y.d * le_f16(b, 82);
+    let mut isum = 0i32;
+    for half in 0..2 {
+        let q2 = &qs[32 * half..32 * half + 32];
+        for j in 0..4 {
+            let shift = 2 * j as u32;
+            let q8 = &y.qs[128 * half + 32 * j..][..32];
+            let lo = dot_q2_16(&q2[..16], &q8[..16], shift);
+            let hi = dot_q2_16(&q2[16..], &q8[16..], shift);
+            isum += i32::from(sc[8 * half + 2 * j] & 0x0f) * lo;
+            isum += i32::from(sc[8 * half + 2 * j + 1] & 0x0f) * hi;
+        }
+    }
+    dall * isum as f32 - dmin * summs as f32
+}
+
+/// One Q4_K super-block's term: integer sums per 32 values times their 6-bit scale give `isum`,
+/// the 6-bit mins times the pairwise `bsums` give `summs`; `(d_y·d)·isum − (d_y·dmin)·summs`.
+#[inline]
+fn q4_k_term(b: &[u8], y: &BlockQ8K) -> f32 {
+    let d = y.d * le_f16(b, 0);
+    let dmin = y.d * le_f16(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..Q4_K_BYTES];
+    let mut isum = 0i32;
+    let mut summs = 0i32;
+    for c in 0..4 {
+        let q4 = &qs[32 * c..32 * c + 32];
+        let q8 = &y.qs[64 * c..64 * c + 64];
+        let (sc1, m1) = q4_k_scale_min(2 * c, scales);
+        let (sc2, m2) = q4_k_scale_min(2 * c + 1, scales);
+        let lo: i32 = q4.iter().zip(&q8[..32]).map(|(&q, &v)| i32::from(q & 0x0f) * i32::from(v)).sum();
+        let hi: i32 = q4.iter().zip(&q8[32..]).map(|(&q, &v)| i32::from(q >> 4) * i32::from(v)).sum();
+        isum += i32::from(sc1) * lo + i32::from(sc2) * hi;
+        let bs = &y.bsums[4 * c..4 * c + 4];
+        summs += i32::from(m1) * (i32::from(bs[0]) + i32::from(bs[1]));
+        summs += i32::from(m2) * (i32::from(bs[2]) + i32::from(bs[3]));
+    }
+    d * isum as f32 - dmin * summs as f32
+}
+
+/// One IQ2_XXS super-block's term: per 32 values the signed grid values times the quants summed
+/// in integers, times the odd scale `2s + 1`; the term is `(f16(d)·d_y)·Σ` (the row's sum is
+/// multiplied by 0.125 at the end).
+#[inline]
+fn iq2_xxs_term(b: &[u8], y: &BlockQ8K) -> f32 {
+    let d = le_f16(b, 0) * y.d;
+    let qs = &b[2..IQ2_XXS_BYTES];
+    let mut bsum = 0i32;
+    for ib in 0..QK_K / 32 {
+        let g = &qs[8 * ib..8 * ib + 8];
+        let aux = u32::from_le_bytes([g[4], g[5], g[6], g[7]]);
+        let ls = (2 * (aux >> 28) + 1) as i32;
+        let mut sumi = 0i32;
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[usize::from(g[l])].to_le_bytes();
+            let signs = &SIGNS_I8[((aux >> (7 * l)) & 127) as usize];
+            let q8 = &y.qs[32 * ib + 8 * l..][..8];
+            for j in 0..8 {
+                sumi += i32::from(grid[j]) * i32::from(signs[j]) * i32::from(q8[j]);
+            }
+        }
+        bsum += sumi * ls;
+    }
+    d * bsum as f32
+}
+
+/// Sums a row's super-block terms in ds4's order (sequentially) or the canonical one.
+fn sum_k_terms(row: &[u8], y: &[BlockQ8K], bytes: usize, canonical: bool, term: fn(&[u8], &BlockQ8K) -> f32) -> f32 {
+    let blocks = (row.len() / bytes).min(y.len());
+    if canonical {
+        numerics::sum_blocks(blocks, |b| term(&row[b * bytes..(b + 1) * bytes], &y[b]))
+    } else {
+        let mut sumf = 0.0f32;
+        for b in 0..blocks {
+            sumf += term(&row[b * bytes..(b + 1) * bytes], &y[b]);
+        }
+        sumf
+    }
+}
+
+/// Dot product of one Q2_K weight row (raw blocks) with Q8_K activation blocks, in ds4's order.
 /// Precondition: `row.len() == 84 * y.len()` (checked with `debug_assert!`; otherwise only
 /// blocks present in both are used).
 pub fn dot_q2_k_q8_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(row.len(), Q2_K_BYTES * y.len());
-    let mut sumf = 0.0f32;
-    for (b, y) in row.chunks_exact(Q2_K_BYTES).zip(y) {
-        let sc = &b[0..16];
-        let qs = &b[16..80];
-        let summs: i32 = sc.iter().zip(&y.bsums).map(|(&s, &bs)| i32::from(s >> 4) * i32::from(bs)).sum();
-        let dall = y.d * le_f16(b, 80);
-        let dmin = y.d * le_f16(b, 82);
-        let mut isum = 0i32;
-        for half in 0..2 {
-            let q2 = &qs[32 * half..32 * half + 32];
-            for j in 0..4 {
-                let shift = 2 * j as u32;
-                let q8 = &y.qs[128 * half + 32 * j..][..32];
-                let lo = dot_q2_16(&q2[..16], &q8[..16], shift);
-                let hi = dot_q2_16(&q2[16..], &q8[16..], shift);
-                isum += i32::from(sc[8 * half + 2 * j] & 0x0f) * lo;
-                isum += i32::from(sc[8 * half + 2 * j + 1] & 0x0f) * hi;
-            }
-        }
-        sumf += dall * isum as f32 - dmin * summs as f32;
-    }
-    sumf
+    sum_k_terms(row, y, Q2_K_BYTES, false, q2_k_term)
 }
 
-/// Dot product of one Q4_K weight row (raw blocks) with Q8_K activation blocks.
-///
-/// Per super-block: integer sums per 32 values times their 6-bit scale give `isum`, the 6-bit
-/// mins times the pairwise `bsums` give `summs`, and `acc += (d_y·d)·isum − (d_y·dmin)·summs`
-/// in f32. Precondition: `row.len() == 144 * y.len()` (checked with `debug_assert!`; otherwise
-/// only blocks present in both are used).
+/// Dot product of one Q4_K weight row (raw blocks) with Q8_K activation blocks, in ds4's order.
+/// Precondition: `row.len() == 144 * y.len()` (checked with `debug_assert!`).
 pub fn dot_q4_k_q8_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(row.len(), Q4_K_BYTES * y.len());
-    let mut sumf = 0.0f32;
-    for (b, y) in row.chunks_exact(Q4_K_BYTES).zip(y) {
-        let d = y.d * le_f16(b, 0);
-        let dmin = y.d * le_f16(b, 2);
-        let scales = &b[4..16];
-        let qs = &b[16..Q4_K_BYTES];
-        let mut isum = 0i32;
-        let mut summs = 0i32;
-        for c in 0..4 {
-            let q4 = &qs[32 * c..32 * c + 32];
-            let q8 = &y.qs[64 * c..64 * c + 64];
-            let (sc1, m1) = q4_k_scale_min(2 * c, scales);
-            let (sc2, m2) = q4_k_scale_min(2 * c + 1, scales);
-            let lo: i32 = q4.iter().zip(&q8[..32]).map(|(&q, &v)| i32::from(q & 0x0f) * i32::from(v)).sum();
-            let hi: i32 = q4.iter().zip(&q8[32..]).map(|(&q, &v)| i32::from(q >> 4) * i32::from(v)).sum();
-            isum += i32::from(sc1) * lo + i32::from(sc2) * hi;
-            let bs = &y.bsums[4 * c..4 * c + 4];
-            summs += i32::from(m1) * (i32::from(bs[0]) + i32::from(bs[1]));
-            summs += i32::from(m2) * (i32::from(bs[2]) + i32::from(bs[3]));
-        }
-        sumf += d * isum as f32 - dmin * summs as f32;
-    }
-    sumf
+    sum_k_terms(row, y, Q4_K_BYTES, false, q4_k_term)
 }
 
-/// Dot product of one IQ2_XXS weight row (raw blocks) with Q8_K activation blocks.
-///
-/// Per 32 values: the signed grid values times the quants summed in integers, times the odd
-/// scale `2s + 1`; per super-block `acc += (f16(d)·d_y)·Σ` in f32; the result is `0.125·acc`.
-/// Precondition: `row.len() == 66 * y.len()` (checked with `debug_assert!`; otherwise only
-/// blocks present in both are used).
+/// Dot product of one IQ2_XXS weight row (raw blocks) with Q8_K activation blocks, in ds4's
+/// order; the result is `0.125·Σ`. Precondition: `row.len() == 66 * y.len()` (checked with
+/// `debug_assert!`).
 pub fn dot_iq2_xxs_q8_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(row.len(), IQ2_XXS_BYTES * y.len());
-    let mut sumf = 0.0f32;
-    for (b, y) in row.chunks_exact(IQ2_XXS_BYTES).zip(y) {
-        let d = le_f16(b, 0) * y.d;
-        let qs = &b[2..IQ2_XXS_BYTES];
-        let mut bsum = 0i32;
-        for ib in 0..QK_K / 32 {
-            let g = &qs[8 * ib..8 * ib + 8];
-            let aux = u32::from_le_bytes([g[4], g[5], g[6], g[7]]);
-            let ls = (2 * (aux >> 28) + 1) as i32;
-            let mut sumi = 0i32;
-            for l in 0..4 {
-                let grid = IQ2XXS_GRID[usize::from(g[l])].to_le_bytes();
-                let signs = &SIGNS_I8[((aux >> (7 * l)) & 127) as usize];
-                let q8 = &y.qs[32 * ib + 8 * l..][..8];
-                for j in 0..8 {
-                    sumi += i32::from(grid[j]) * i32::from(signs[j]) * i32::from(q8[j]);
-                }
-            }
-            bsum += sumi * ls;
-        }
-        sumf += d * bsum as f32;
-    }
-    0.125 * sumf
+    0.125 * sum_k_terms(row, y, IQ2_XXS_BYTES, false, iq2_xxs_term)
+}
+
+/// [`dot_q2_k_q8_k`] with the block terms in the canonical order.
+pub fn dot_q2_k_q8_k_canonical(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    sum_k_terms(row, y, Q2_K_BYTES, true, q2_k_term)
+}
+
+/// [`dot_q4_k_q8_k`] with the block terms in the canonical order.
+pub fn dot_q4_k_q8_k_canonical(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    sum_k_terms(row, y, Q4_K_BYTES, true, q4_k_term)
+}
+
+/// [`dot_iq2_xxs_q8_k`] with the block terms in the canonical order.
+pub fn dot_iq2_xxs_q8_k_canonical(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    0.125 * sum_k_terms(row, y, IQ2_XXS_BYTES, true, iq2_xxs_term)
 }
 
 #[cfg(test)]

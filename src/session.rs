@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::backend::{Backend, BackendError, Executable};
 use crate::decode::{self, Caps};
 use crate::model::Model;
+use crate::numerics::Numerics;
 use crate::recorder::{Program, StepParams};
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +25,8 @@ pub enum SessionError {
 
 pub struct Session {
     model: Arc<Model>,
+    backend: &'static str,
+    numerics: Numerics,
     exe: Box<dyn Executable>,
     caps: Caps,
     pos: u32,
@@ -40,11 +43,27 @@ impl Session {
         let caps = Caps { ctx: ctx as u32 };
         let program = Arc::new(decode::record_token(&model, caps).map_err(SessionError::Record)?);
         let exe = backend.compile(program, model.clone())?;
-        Ok(Session { model, exe, caps, pos: 0, logits: Vec::new() })
+        Ok(Session {
+            model,
+            backend: backend.name(),
+            numerics: backend.numerics(),
+            exe,
+            caps,
+            pos: 0,
+            logits: Vec::new(),
+        })
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+    /// The name of the backend the session runs on.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend
+    }
+    /// The numerics profile the session computes in.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
     }
     /// The program recorded when the session was created; it serves every position.
     pub fn program(&self) -> &Arc<Program> {
@@ -106,6 +125,11 @@ impl Session {
             self.exe.read_logits(&mut self.logits)?;
         }
         Ok(&self.logits)
+    }
+
+    /// Diagnostics from the backend since the last call (see `Executable::take_warnings`).
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        self.exe.take_warnings()
     }
 
     /// The logits after the last token fed.

@@ -37,7 +37,7 @@ fn model() -> Arc<Model> {
 }
 
 #[test]
-fn cpu_matches_ds4_logits_at_every_step() {
+fn cpu_ds4_profile_is_bit_identical_to_ds4_logits_at_every_step() {
     let g = load_golden();
     let backend = CpuBackend::new(0).unwrap();
     let mut s = Session::new(model(), &backend, 256).unwrap();
@@ -59,7 +59,8 @@ fn cpu_matches_ds4_logits_at_every_step() {
         );
         worst_overall = worst_overall.max(worst);
         step_worst.push(worst);
-        if worst > 0.01 || !worst.is_finite() {
+        // The ds4 profile reproduces ds4's own numbers exactly, not within a tolerance.
+        if logits.iter().zip(want).any(|(a, b)| a.to_bits() != b.to_bits()) {
             failures.push(i);
         }
     }
@@ -69,5 +70,5 @@ fn cpu_matches_ds4_logits_at_every_step() {
          argmax agrees at {argmax_agree} steps",
         g.tokens.len()
     );
-    assert!(failures.is_empty(), "steps over the 0.01 bound: {failures:?}");
+    assert!(failures.is_empty(), "steps whose logits are not bit-identical to ds4's: {failures:?}");
 }

@@ -102,3 +102,20 @@ fn synthetic_models_decode_to_finite_varied_logits() {
         }
     }
 }
+
+/// Every backend refuses a position at or past the context and a token past the vocabulary
+/// before running anything (the caches and tables would be addressed out of bounds).
+#[test]
+fn step_refuses_positions_and_tokens_out_of_range() {
+    let backend = CpuBackend::new(1).unwrap();
+    let model = tiny_a();
+    let mut s = Session::new(model.clone(), &backend, 16).unwrap();
+    let n_vocab = model.config.n_vocab as u32;
+    let exe = s.executable();
+    let e = exe.step(&StepParams::new(1, 16)).unwrap_err().to_string();
+    assert!(e.contains("position 16") && e.contains("16 positions"), "{e}");
+    let e = exe.step_ops(&StepParams::new(1, 40), 0..3).unwrap_err().to_string();
+    assert!(e.contains("position 40"), "{e}");
+    let e = exe.step(&StepParams::new(n_vocab, 0)).unwrap_err().to_string();
+    assert!(e.contains(&format!("token id {n_vocab}")) && e.contains("vocabulary"), "{e}");
+}

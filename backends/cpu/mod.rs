@@ -6,29 +6,29 @@ mod ops;
 use std::sync::Arc;
 
 use crate::backend::{Backend, BackendError, Executable};
-use crate::math::MathMode;
 use crate::model::Model;
+use crate::numerics::Numerics;
 use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
 
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
-    math: MathMode,
+    numerics: Numerics,
 }
 
 impl CpuBackend {
-    /// `threads == 0` uses every core. Uses the C library's `exp`/`log1p`, like ds4.
+    /// `threads == 0` uses every core. Computes in the `ds4` profile: ds4's own numbers.
     pub fn new(threads: usize) -> Result<Self, BackendError> {
-        Self::with_math(threads, MathMode::Libm)
+        Self::with_numerics(threads, Numerics::Ds4)
     }
 
-    /// With `MathMode::Portable`, the results match the GPU backends bit for bit.
-    pub fn with_math(threads: usize, math: MathMode) -> Result<Self, BackendError> {
+    /// With `Numerics::Canonical`, the results match the GPU backends bit for bit.
+    pub fn with_numerics(threads: usize, numerics: Numerics) -> Result<Self, BackendError> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("ds4-cpu-{i}"))
             .build()
             .map_err(|e| BackendError::new("cpu", format!("cannot start worker threads: {e}")))?;
-        Ok(CpuBackend { pool: Arc::new(pool), math })
+        Ok(CpuBackend { pool: Arc::new(pool), numerics })
     }
 
     pub fn threads(&self) -> usize {
@@ -39,6 +39,9 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+    fn numerics(&self) -> Numerics {
+        self.numerics
     }
 
     fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
@@ -71,7 +74,7 @@ impl Backend for CpuBackend {
             })
             .collect();
         let vectors = vec![None; program.weights().len()];
-        let math = ops::Math::new(self.math);
+        let math = ops::Math::new(self.numerics);
         let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs, vectors, math };
         exe.reset()?;
         Ok(Box::new(exe))
@@ -104,6 +107,7 @@ impl Executable for CpuExecutable {
 
     fn step_ops(&mut self, params: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
         let program = self.program.clone();
+        program.check_params(params).map_err(|e| BackendError::new("cpu", e))?;
         let mut ctx = ops::Ctx {
             program: &program,
             model: &self.model,

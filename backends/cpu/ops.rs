@@ -1,5 +1,6 @@
-//! One function per op. The arithmetic follows ds4's CPU reference (`ds4.c`): f32 math with
-//! f64 sums of squares in RMS norms, Q8_0 / Q8_K activation quantization before integer dots.
+//! One function per op, in two numerics profiles (`crate::numerics`): `ds4` follows ds4's CPU
+//! reference (`ds4.c`: f64 sums of squares in RMS norms, sequential dot products, the C library's
+//! exp/log1p); `canonical` follows the documented order that every backend reproduces.
 
 use std::sync::Arc;
 
@@ -7,23 +8,31 @@ use rayon::prelude::*;
 
 use super::Data;
 use crate::gguf::TensorInfo;
-use crate::math::{self, MathMode};
 use crate::model::{Model, RopeParams};
+use crate::numerics::{self, Numerics};
 use crate::quant::{self, BlockQ8K, GgmlType, QK_K};
 use crate::recorder::{Buf, Op, Program, RopePos, StepParams, WeightId};
 
-/// The `exp` and `log1p` the ops use (see `crate::math`).
+/// The profile's `exp` and `log1p`, and whether reductions take the canonical order.
 #[derive(Clone, Copy)]
 pub(crate) struct Math {
     pub exp: fn(f32) -> f32,
     pub ln_1p: fn(f32) -> f32,
+    pub canonical: bool,
 }
 
 impl Math {
-    pub fn new(mode: MathMode) -> Math {
-        match mode {
-            MathMode::Libm => Math { exp: f32::exp, ln_1p: f32::ln_1p },
-            MathMode::Portable => Math { exp: math::exp_f32, ln_1p: math::ln_1p_f32 },
+    pub fn new(numerics: Numerics) -> Math {
+        match numerics {
+            Numerics::Ds4 => Math { exp: f32::exp, ln_1p: f32::ln_1p, canonical: false },
+            Numerics::Canonical => Math { exp: numerics::exp, ln_1p: numerics::ln_1p, canonical: true },
+        }
+    }
+    fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
+        if self.canonical {
+            numerics::dot_f32(a, b)
+        } else {
+            dot_f32(a, b)
         }
     }
 }
@@ -118,7 +127,7 @@ impl<'a> Ctx<'a> {
             }
             Op::Fp8RoundTrip { x, head_dim, n_rot } => {
                 let mut v = self.take(x);
-                fp8_round_trip(&mut v[..(head_dim - n_rot) as usize]);
+                fp8_round_trip(self.math, &mut v[..(head_dim - n_rot) as usize]);
                 self.put(x, v);
                 Ok(())
             }
@@ -126,7 +135,7 @@ impl<'a> Ctx<'a> {
                 let mut v = self.take(x);
                 for r in v.chunks_exact_mut(head_dim as usize).take(rows as usize) {
                     hadamard128(r);
-                    fp4_round_trip(r);
+                    fp4_round_trip(self.math, r);
                 }
                 self.put(x, v);
                 Ok(())
@@ -172,11 +181,12 @@ impl<'a> Ctx<'a> {
                 let mut o = self.take(out);
                 let (qv, wv, cv) = (self.f(q), self.f(weights), self.f(cache));
                 let w: Vec<f32> = wv.iter().map(|&x| x * scale).collect();
+                let m = self.math;
                 o[..n].par_iter_mut().enumerate().for_each(|(c, s)| {
                     let k = &cv[c * hd..(c + 1) * hd];
                     let mut acc = 0.0f32;
                     for h in 0..n_head as usize {
-                        let d = dot_f32(k, &qv[h * hd..(h + 1) * hd]);
+                        let d = m.dot_f32(k, &qv[h * hd..(h + 1) * hd]);
                         acc += d.max(0.0) * w[h];
                     }
                     *s = acc;
@@ -279,8 +289,12 @@ impl<'a> Ctx<'a> {
         let xs = if x == out { &input[..] } else { self.f(x) };
         for r in 0..rows as usize {
             let (xr, or) = (&xs[r * n..(r + 1) * n], &mut o[r * n..(r + 1) * n]);
-            let ss: f64 = xr.iter().map(|&v| v as f64 * v as f64).sum();
-            let scale = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
+            let scale = if self.math.canonical {
+                1.0 / (numerics::sum_squares(xr) / n as f32 + eps).sqrt()
+            } else {
+                let ss: f64 = xr.iter().map(|&v| v as f64 * v as f64).sum();
+                1.0 / ((ss / n as f64) as f32 + eps).sqrt()
+            };
             match &w {
                 Some(w) => or.iter_mut().zip(xr).zip(w.iter()).for_each(|((o, &v), &g)| *o = v * scale * g),
                 None => or.iter_mut().zip(xr).for_each(|(o, &v)| *o = v * scale),
@@ -298,6 +312,7 @@ impl<'a> Ctx<'a> {
         let rb = t.ty.row_bytes(in_dim);
         let mut o = self.take(out);
         let xv = self.f(x);
+        let canonical = self.math.canonical;
         match t.ty {
             GgmlType::Q8_0 => {
                 // Quantizing per 32-block makes quantizing the whole input equal to quantizing each group.
@@ -309,12 +324,22 @@ impl<'a> Ctx<'a> {
                         let r = c * ROWS_PER_TASK + k;
                         let g = r / rows_per_group;
                         let (xq, xd) = (&xq[g * in_dim..(g + 1) * in_dim], &xd[g * in_dim / 32..(g + 1) * in_dim / 32]);
-                        *v = quant::dot_q8_0(&data[r * rb..(r + 1) * rb], xq, xd);
+                        let row = &data[r * rb..(r + 1) * rb];
+                        *v = if canonical {
+                            quant::dot_q8_0_canonical(row, xq, xd)
+                        } else {
+                            quant::dot_q8_0(row, xq, xd)
+                        };
                     }
                 });
             }
             GgmlType::F16 | GgmlType::F32 => {
-                let dot = if t.ty == GgmlType::F16 { quant::dot_f16_f32 } else { quant::dot_f32_f32 };
+                let dot = match (t.ty, canonical) {
+                    (GgmlType::F16, false) => quant::dot_f16_f32,
+                    (GgmlType::F16, true) => quant::dot_f16_f32_canonical,
+                    (_, false) => quant::dot_f32_f32,
+                    (_, true) => quant::dot_f32_f32_canonical,
+                };
                 o.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
                     for (k, v) in chunk.iter_mut().enumerate() {
                         let r = c * ROWS_PER_TASK + k;
@@ -511,7 +536,8 @@ impl<'a> Ctx<'a> {
         quant::quantize_q8_k(self.f(x), &mut xq);
 
         let (g_rb, u_rb, d_rb) = (gt.ty.row_bytes(in_dim), ut.ty.row_bytes(in_dim), dt.ty.row_bytes(ff));
-        let (gdot, udot, ddot) = (expert_dot(gt.ty)?, expert_dot(ut.ty)?, expert_dot(dt.ty)?);
+        let c = math.canonical;
+        let (gdot, udot, ddot) = (expert_dot(gt.ty, c)?, expert_dot(ut.ty, c)?, expert_dot(dt.ty, c)?);
         let mut mid = vec![0f32; sel.len() * ff];
         mid.par_chunks_mut(ff).enumerate().for_each(|(i, m)| {
             let (g_base, u_base) = (sel[i] * ff * g_rb, sel[i] * ff * u_rb);
@@ -547,12 +573,15 @@ impl<'a> Ctx<'a> {
 
 type ExpertDot = fn(&[u8], &[BlockQ8K]) -> f32;
 
-fn expert_dot(ty: GgmlType) -> Result<ExpertDot, String> {
-    match ty {
-        GgmlType::IQ2_XXS => Ok(quant::dot_iq2_xxs_q8_k),
-        GgmlType::Q2_K => Ok(quant::dot_q2_k_q8_k),
-        GgmlType::Q4_K => Ok(quant::dot_q4_k_q8_k),
-        other => Err(format!("{other:?} is not a routed-expert type")),
+fn expert_dot(ty: GgmlType, canonical: bool) -> Result<ExpertDot, String> {
+    match (ty, canonical) {
+        (GgmlType::IQ2_XXS, false) => Ok(quant::dot_iq2_xxs_q8_k),
+        (GgmlType::Q2_K, false) => Ok(quant::dot_q2_k_q8_k),
+        (GgmlType::Q4_K, false) => Ok(quant::dot_q4_k_q8_k),
+        (GgmlType::IQ2_XXS, true) => Ok(quant::dot_iq2_xxs_q8_k_canonical),
+        (GgmlType::Q2_K, true) => Ok(quant::dot_q2_k_q8_k_canonical),
+        (GgmlType::Q4_K, true) => Ok(quant::dot_q4_k_q8_k_canonical),
+        (other, _) => Err(format!("{other:?} is not a routed-expert type")),
     }
 }
 
@@ -697,11 +726,21 @@ fn e4m3_round(x: f32) -> f32 {
     sign * e4m3_value(best)
 }
 
+/// The power-of-two block scale `2^ceil(log2(t))`: ds4 takes it from `log2f`, the canonical
+/// profile from the bits of `t`.
+fn pow2_scale(m: Math, t: f32) -> f32 {
+    if m.canonical {
+        numerics::pow2_ceil(t)
+    } else {
+        (2.0f32).powi(t.log2().ceil() as i32)
+    }
+}
+
 /// fp8 E4M3 round trip per 64 values with a power-of-two scale.
-fn fp8_round_trip(x: &mut [f32]) {
+fn fp8_round_trip(m: Math, x: &mut [f32]) {
     for block in x.chunks_exact_mut(64) {
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0e-4);
-        let scale = (2.0f32).powi((amax / 448.0).log2().ceil() as i32);
+        let scale = pow2_scale(m, amax / 448.0);
         for v in block.iter_mut() {
             *v = e4m3_round((*v / scale).clamp(-448.0, 448.0)) * scale;
         }
@@ -727,10 +766,10 @@ fn e2m1_round(x: f32) -> f32 {
 }
 
 /// FP4 E2M1 round trip per 32 values with a power-of-two scale.
-fn fp4_round_trip(x: &mut [f32]) {
+fn fp4_round_trip(m: Math, x: &mut [f32]) {
     for block in x.chunks_exact_mut(32) {
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(6.0 * f32::MIN_POSITIVE);
-        let scale = (2.0f32).powi((amax / 6.0).log2().ceil() as i32);
+        let scale = pow2_scale(m, amax / 6.0);
         for v in block.iter_mut() {
             *v = e2m1_round((*v / scale).clamp(-6.0, 6.0)) * scale;
         }
@@ -793,6 +832,9 @@ fn compressor_pool(m: Math, out: &mut [f32], kv: &[f32], score: &[f32], head_dim
 
 /// One head of sink attention over `rows` (K == V).
 fn attention_head<'r>(m: Math, out: &mut [f32], q: &[f32], sink: f32, rows: impl Iterator<Item = &'r [f32]> + Clone) {
+    if m.canonical {
+        return attention_head_canonical(m, out, q, sink, rows);
+    }
     let kq_scale = 1.0 / (q.len() as f32).sqrt();
     let scores: Vec<f32> = rows.clone().map(|k| dot_f32(q, k) * kq_scale).collect();
     let max = scores.iter().fold(sink, |m, &s| m.max(s));
@@ -803,6 +845,43 @@ fn attention_head<'r>(m: Math, out: &mut [f32], q: &[f32], sink: f32, rows: impl
         denom += w;
         for (o, &v) in out.iter_mut().zip(k) {
             *o += w * v;
+        }
+    }
+    let inv = 1.0 / denom;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+/// [`attention_head`] in the canonical order: rows in chunks of `ATTN_ROW_CHUNK`, sequential
+/// inside a chunk, chunk sums added in order (the sink's weight first in the denominator).
+fn attention_head_canonical<'r>(
+    m: Math,
+    out: &mut [f32],
+    q: &[f32],
+    sink: f32,
+    rows: impl Iterator<Item = &'r [f32]> + Clone,
+) {
+    let kq_scale = 1.0 / (q.len() as f32).sqrt();
+    let rows: Vec<&[f32]> = rows.collect();
+    let scores: Vec<f32> = rows.iter().map(|k| numerics::dot_f32(q, k) * kq_scale).collect();
+    let max = scores.iter().fold(sink, |m, &s| m.max(s));
+    let w: Vec<f32> = scores.iter().map(|&s| (m.exp)(s - max)).collect();
+    let mut denom = (m.exp)(sink - max);
+    out.fill(0.0);
+    let mut part = vec![0.0f32; out.len()];
+    for (rc, wc) in rows.chunks(numerics::ATTN_ROW_CHUNK).zip(w.chunks(numerics::ATTN_ROW_CHUNK)) {
+        part.fill(0.0);
+        let mut d = 0.0f32;
+        for (k, &wr) in rc.iter().zip(wc) {
+            d += wr;
+            for (p, &v) in part.iter_mut().zip(k.iter()) {
+                *p += wr * v;
+            }
+        }
+        denom += d;
+        for (o, &p) in out.iter_mut().zip(&part) {
+            *o += p;
         }
     }
     let inv = 1.0 / denom;
@@ -875,7 +954,7 @@ mod tests {
     fn sinkhorn_is_doubly_stochastic() {
         let mix: Vec<f32> = (0..24).map(|i| ((i * 7) % 11) as f32 * 0.3 - 1.0).collect();
         let mut out = vec![0f32; 24];
-        hc_split_sinkhorn(Math::new(MathMode::Libm), &mut out, &mix, &[1.0, 1.0, 1.0], &[0.0; 24], 4, 20, 1e-6);
+        hc_split_sinkhorn(Math::new(Numerics::Ds4), &mut out, &mix, &[1.0, 1.0, 1.0], &[0.0; 24], 4, 20, 1e-6);
         let c = &out[8..];
         for k in 0..4 {
             let rows: f32 = (0..4).map(|j| c[k + j * 4]).sum();

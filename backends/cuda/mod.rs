@@ -5,6 +5,8 @@
 //! that token and the ones after it, without losing the token.
 
 #[cfg(feature = "cuda")]
+mod args;
+#[cfg(feature = "cuda")]
 mod plan;
 
 use crate::backend::{Backend, BackendError, BackendOptions};
@@ -16,6 +18,12 @@ pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
 
 #[cfg(feature = "cuda")]
 pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
+    if opts.numerics != crate::numerics::Numerics::Canonical {
+        return Err(BackendError::new(
+            "cuda",
+            format!("implements only the canonical numerics, not '{}'", opts.numerics),
+        ));
+    }
     Ok(Box::new(imp::CudaBackend::new(opts.graphs)?))
 }
 
@@ -47,7 +55,8 @@ mod imp {
     use cudarc::driver::{result, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
     use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
-    use super::plan::{self, Arg, SCRATCH_KINDS};
+    use super::args::{self, FillArgs, Ptr, PtrRef};
+    use super::plan::{self, SCRATCH_KINDS};
     use crate::backend::{Backend, BackendError, Executable};
     use crate::model::Model;
     use crate::quant::IQ2XXS_GRID;
@@ -77,16 +86,21 @@ mod imp {
         move |e| err(format!("{what}: {e}"))
     }
 
-    /// The full kernel source, as NVRTC compiles it.
+    /// The full kernel source, as NVRTC compiles it: the header generated from the Rust
+    /// definitions (StepParams, argument structs, numerics constants), then the files.
     pub fn kernel_source() -> String {
-        SOURCES.join("\n")
+        args::c_header() + "\n" + &SOURCES.join("\n")
     }
 
     /// Compiles the kernels for an `sm_XY` architecture.
     pub fn compile_kernels(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
         let opts = CompileOptions {
-            // Keep a*b+c as two roundings, as the CPU reference computes it.
+            // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and
+            // square root correctly rounded, subnormals kept, as the CPU computes them.
             fmad: Some(false),
+            prec_div: Some(true),
+            prec_sqrt: Some(true),
+            ftz: Some(false),
             options: vec![format!("--gpu-architecture={arch}")],
             name: Some("ds4_kernels.cu".into()),
             ..Default::default()
@@ -122,6 +136,9 @@ mod imp {
         fn name(&self) -> &'static str {
             "cuda"
         }
+        fn numerics(&self) -> crate::numerics::Numerics {
+            crate::numerics::Numerics::Canonical
+        }
 
         fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
             CudaExecutable::new(self.ctx.clone(), program, model, self.graphs)
@@ -129,15 +146,15 @@ mod imp {
         }
     }
 
-    /// A launch with device addresses resolved: argument values in 8-byte slots (4-byte values
-    /// in the low half, which is where a little-endian kernel reads them).
+    /// A launch with device addresses resolved: the kernel's argument struct as 8-byte words.
     struct Resolved {
         op: usize,
         kernel: &'static str,
         func: CudaFunction,
         grid: u32,
         block: u32,
-        slots: Vec<u64>,
+        cond: u64,
+        args: Vec<u64>,
     }
 
     enum GraphState {
@@ -161,6 +178,8 @@ mod imp {
         launches: Vec<Resolved>,
         graph: GraphState,
         fill: CudaFunction,
+        /// Fallbacks that happened (a failed capture or graph launch), for the caller to report.
+        warnings: Vec<String>,
     }
 
     impl CudaExecutable {
@@ -259,22 +278,29 @@ mod imp {
                         f
                     }
                 };
-                let mut slots = vec![params_ptr, l.cond];
-                for a in &l.args {
-                    slots.push(match *a {
-                        Arg::Buf(b) => base + offsets[b.0 as usize] as u64,
-                        Arg::Weight(w) => weight_ptrs[w.0 as usize],
-                        Arg::Scratch(s) => {
-                            base + scratch_off.iter().find(|(k, _)| *k == s).map_or(0, |&(_, o)| o) as u64
-                        }
-                        Arg::Grid => grid_ptr,
-                        Arg::Rope(i) => rope_ptrs[i],
-                        Arg::Null => 0,
-                        Arg::U32(v) => v as u64,
-                        Arg::F32(v) => v.to_bits() as u64,
-                    });
+                let mut a = l.args.clone();
+                for &word in &l.ptr_words {
+                    let r =
+                        Ptr(a[word]).reference().ok_or_else(|| err(format!("{}: bad pointer reference", l.kernel)))?;
+                    a[word] = match r {
+                        PtrRef::Null => 0,
+                        PtrRef::Buf(b) => base + offsets[b as usize] as u64,
+                        PtrRef::Weight(w) => weight_ptrs[w as usize],
+                        PtrRef::Scratch(s) => base + scratch_off[s as usize].1 as u64,
+                        PtrRef::Grid => grid_ptr,
+                        PtrRef::Rope(i) => rope_ptrs[i as usize],
+                    };
                 }
-                launches.push(Resolved { op: l.op, kernel: l.kernel, func, grid: l.grid, block: l.block, slots });
+                let _ = params_ptr;
+                launches.push(Resolved {
+                    op: l.op,
+                    kernel: l.kernel,
+                    func,
+                    grid: l.grid,
+                    block: l.block,
+                    cond: l.cond,
+                    args: a,
+                });
             }
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
 
@@ -288,6 +314,7 @@ mod imp {
                 launches,
                 graph: if graphs { GraphState::WarmUp } else { GraphState::Off },
                 fill,
+                warnings: Vec::new(),
             };
             exe.reset()?;
             Ok(exe)
@@ -313,16 +340,35 @@ mod imp {
 
         fn launch_one(&self, i: usize) -> Result<(), result::DriverError> {
             let l = &self.launches[i];
-            let mut slots = l.slots.clone();
-            let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
-            // SAFETY: each slot holds one argument of the kernel's signature in order (pointers
-            // and 8-byte values whole, 4-byte values in the low half); the driver copies them
-            // before returning. Every pointer is inside an allocation this executable owns.
+            self.launch_raw(&l.func, l.grid, l.block, l.cond, &l.args)
+        }
+
+        /// Launches `func(P, cond, args)`: `args` is the kernel's argument struct as words.
+        fn launch_raw(
+            &self,
+            func: &CudaFunction,
+            grid: u32,
+            block: u32,
+            cond: u64,
+            args: &[u64],
+        ) -> Result<(), result::DriverError> {
+            let mut p = self.params.device_ptr(&self.stream).0;
+            let mut c = cond;
+            let mut a = args.to_vec();
+            let mut ptrs: Vec<*mut c_void> = vec![
+                &mut p as *mut u64 as *mut c_void,
+                &mut c as *mut u64 as *mut c_void,
+                a.as_mut_ptr() as *mut c_void,
+            ];
+            // SAFETY: the kernel's parameters are (const StepParams*, u64, XArgs); `a` holds the
+            // bytes of XArgs (the struct args.rs declares and the kernel source is generated
+            // from), and the driver copies all three before returning. Every pointer inside
+            // `a` is inside an allocation this executable owns.
             unsafe {
                 result::launch_kernel(
-                    l.func.cu_function(),
-                    (l.grid, 1, 1),
-                    (l.block, 1, 1),
+                    func.cu_function(),
+                    (grid, 1, 1),
+                    (block, 1, 1),
                     0,
                     self.stream.cu_stream(),
                     &mut ptrs,
@@ -353,13 +399,14 @@ mod imp {
         }
 
         fn step(&mut self, p: &StepParams) -> Result<(), BackendError> {
+            self.program.check_params(p).map_err(err)?;
             let words = [p.token, p.pos, 0, 0];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             if let GraphState::Ready(g) = &self.graph {
                 match g.launch() {
                     Ok(()) => return Ok(()),
                     Err(e) => {
-                        eprintln!("ds4: cuda graph launch failed ({e}); running eagerly from now on");
+                        self.warnings.push(format!("cuda graph launch failed ({e}); running eagerly from now on"));
                         self.graph = GraphState::Failed;
                     }
                 }
@@ -371,7 +418,7 @@ mod imp {
                 self.graph = match self.capture() {
                     Ok(g) => GraphState::Ready(g),
                     Err(e) => {
-                        eprintln!("ds4: cuda graph capture failed ({e}); running eagerly");
+                        self.warnings.push(format!("cuda graph capture failed ({e}); running eagerly"));
                         GraphState::Failed
                     }
                 };
@@ -380,12 +427,14 @@ mod imp {
         }
 
         fn step_ops(&mut self, p: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+            self.program.check_params(p).map_err(err)?;
             let words = [p.token, p.pos, 0, 0];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             self.launch_ops(ops).map_err(drv("kernel launch failed"))
         }
 
         fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
+            self.program.check_params(p).map_err(err)?;
             let words = [p.token, p.pos, 0, 0];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             let ctx = self.stream.context().clone();
@@ -444,8 +493,11 @@ mod imp {
             self.stream.synchronize().map_err(drv("cannot write a buffer"))
         }
 
+        fn take_warnings(&mut self) -> Vec<String> {
+            std::mem::take(&mut self.warnings)
+        }
+
         fn reset(&mut self) -> Result<(), BackendError> {
-            let params_ptr = self.params.device_ptr(&self.stream).0;
             for (i, d) in self.program.buffers().iter().enumerate() {
                 let init = match d.kind {
                     BufKind::State { init } => init,
@@ -455,20 +507,10 @@ mod imp {
                     DType::F32 => init.to_bits(),
                     DType::I32 => init as i32 as u32,
                 };
-                let mut slots = [params_ptr, 0u64, self.buf_ptr(Buf(i as u32)), d.len as u64, value as u64];
-                let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
-                // SAFETY: `fill(P, cond, u32* x, u64 n, u32 v)` with x inside the arena.
-                unsafe {
-                    result::launch_kernel(
-                        self.fill.cu_function(),
-                        ((d.len as u32).div_ceil(256).max(1), 1, 1),
-                        (256, 1, 1),
-                        0,
-                        self.stream.cu_stream(),
-                        &mut ptrs,
-                    )
-                }
-                .map_err(drv("cannot reset the caches"))?;
+                let a = FillArgs { x: Ptr(self.buf_ptr(Buf(i as u32))), n: d.len as u64, v: value, _pad: 0 };
+                let (words, _) = args::encode(&a);
+                self.launch_raw(&self.fill, (d.len as u32).div_ceil(256).max(1), 256, 0, &words)
+                    .map_err(drv("cannot reset the caches"))?;
             }
             self.stream.synchronize().map_err(drv("cannot reset the caches"))?;
             Ok(())

@@ -2,12 +2,14 @@
 //! same kernel, grid and arguments for every token. Per-token work is decided on the device
 //! from `StepParams` (predicates and loop bounds), which is what lets one CUDA graph replay it.
 
+use super::args::{self, *};
 use crate::model::RopeParams;
+use crate::numerics;
 use crate::quant::GgmlType;
 use crate::recorder::{Buf, Cond, Op, Program, RopePos, Step, WeightId};
 
 /// Backend scratch areas that no recorded buffer covers (activation quantization, attention
-/// scores, top-k flags). Sized from the program at compile time.
+/// scores, top-k flags, split-K partial sums). Sized from the program at compile time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Scratch {
     Q8Qs,
@@ -17,24 +19,24 @@ pub enum Scratch {
     Mid,
     Scores,
     Taken,
+    Partial,
 }
 
-pub const SCRATCH_KINDS: [Scratch; 7] =
-    [Scratch::Q8Qs, Scratch::Q8D, Scratch::Q8KX, Scratch::Q8KMid, Scratch::Mid, Scratch::Scores, Scratch::Taken];
+pub const SCRATCH_KINDS: [Scratch; 8] = [
+    Scratch::Q8Qs,
+    Scratch::Q8D,
+    Scratch::Q8KX,
+    Scratch::Q8KMid,
+    Scratch::Mid,
+    Scratch::Scores,
+    Scratch::Taken,
+    Scratch::Partial,
+];
 
-/// A kernel argument before device addresses are known.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Arg {
-    Buf(Buf),
-    Weight(WeightId),
-    Scratch(Scratch),
-    /// The IQ2_XXS grid table.
-    Grid,
-    /// A (cos, sin) table per position for `Plan::ropes[i]`.
-    Rope(usize),
-    Null,
-    U32(u32),
-    F32(f32),
+impl Scratch {
+    fn ptr(self) -> Ptr {
+        Ptr::scratch(SCRATCH_KINDS.iter().position(|&k| k == self).unwrap_or(0) as u32)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -46,7 +48,10 @@ pub struct Launch {
     pub block: u32,
     /// The op's predicate, packed for `ds4_cond` (kernels/common.cuh).
     pub cond: u64,
-    pub args: Vec<Arg>,
+    /// The kernel's argument struct as 8-byte words; pointer fields still hold references.
+    pub args: Vec<u64>,
+    /// Which words of `args` are pointers to resolve.
+    pub ptr_words: Vec<usize>,
 }
 
 /// The launches of a program and the scratch bytes they need.
@@ -58,6 +63,8 @@ pub struct Plan {
 }
 
 const Q8K_BLOCK_BYTES: usize = 292;
+/// Matrices with fewer rows than this split each row's chunks over warps (split-K).
+const SPLIT_K_ROWS: usize = 2048;
 
 fn pack_cond(c: Option<Cond>) -> u64 {
     match c {
@@ -80,9 +87,17 @@ struct Builder<'a> {
     ropes: Vec<(RopeParams, u32)>,
 }
 
+fn b(x: Buf) -> Ptr {
+    Ptr::buf(x)
+}
+fn w(x: WeightId) -> Ptr {
+    Ptr::weight(x)
+}
+
 impl Builder<'_> {
-    fn launch(&mut self, kernel: &'static str, grid: u32, block: u32, args: Vec<Arg>) {
-        self.launches.push(Launch { op: self.op, kernel, grid, block, cond: self.cond, args });
+    fn launch<A: KernelArgs>(&mut self, grid: u32, block: u32, a: A) {
+        let (args, ptr_words) = args::encode(&a);
+        self.launches.push(Launch { op: self.op, kernel: A::KERNEL, grid, block, cond: self.cond, args, ptr_words });
     }
     fn need(&mut self, s: Scratch, bytes: usize) {
         match self.need.iter_mut().find(|(k, _)| *k == s) {
@@ -101,10 +116,10 @@ impl Builder<'_> {
             t => Err(format!("tensor '{}' is {t:?}; expected F16 or F32", self.program.weight(w).name)),
         }
     }
-    fn f32_weight(&self, w: WeightId) -> Result<Arg, String> {
-        match self.is_f16(w)? {
-            0 => Ok(Arg::Weight(w)),
-            _ => Err(format!("tensor '{}' must be F32 for the CUDA kernels", self.program.weight(w).name)),
+    fn f32_weight(&self, x: WeightId) -> Result<Ptr, String> {
+        match self.is_f16(x)? {
+            0 => Ok(w(x)),
+            _ => Err(format!("tensor '{}' must be F32 for the CUDA kernels", self.program.weight(x).name)),
         }
     }
     fn expert_type(&self, w: WeightId) -> Result<u32, String> {
@@ -115,56 +130,82 @@ impl Builder<'_> {
     }
 
     /// A dense matvec; Q8_0 weights first quantize the whole input per 32.
-    fn mat_vec(&mut self, w: WeightId, x: Buf, out: Buf, groups: u32) -> Result<(), String> {
-        let t = self.program.weight(w);
+    fn mat_vec(&mut self, wt: WeightId, x: Buf, out: Buf, groups: u32) -> Result<(), String> {
+        let t = self.program.weight(wt);
         let (in_dim, rows) = (t.dim(0) as usize, t.dim(1) as usize);
         let rows_per_group = (rows / groups as usize) as u32;
-        let grid = blocks(rows, 8);
+        let (in_u, rows_u) = (in_dim as u32, rows as u32);
         match t.ty {
             GgmlType::Q8_0 => {
-                if in_dim / 32 > 512 {
-                    return Err(format!("Q8_0 rows of {in_dim} exceed the kernel's 512 blocks"));
-                }
                 let n = self.len(x);
                 self.need(Scratch::Q8Qs, n);
                 self.need(Scratch::Q8D, n / 32 * 4);
-                self.launch(
-                    "quantize_q8_0",
-                    blocks(n / 32, 8),
-                    256,
-                    vec![Arg::Buf(x), Arg::Scratch(Scratch::Q8Qs), Arg::Scratch(Scratch::Q8D), Arg::U32(n as u32)],
-                );
-                self.launch(
-                    "mat_vec_q8_0",
-                    grid,
-                    256,
-                    vec![
-                        Arg::Weight(w),
-                        Arg::Scratch(Scratch::Q8Qs),
-                        Arg::Scratch(Scratch::Q8D),
-                        Arg::Buf(out),
-                        Arg::U32(in_dim as u32),
-                        Arg::U32(rows as u32),
-                        Arg::U32(rows_per_group),
-                    ],
-                );
+                let a =
+                    QuantizeQ80Args { x: b(x), xq: Scratch::Q8Qs.ptr(), xd: Scratch::Q8D.ptr(), n: n as u32, _pad: 0 };
+                self.launch(blocks(n / 32, 8), 256, a);
+                let a = MatVecQ80Args {
+                    w: w(wt),
+                    xq: Scratch::Q8Qs.ptr(),
+                    xd: Scratch::Q8D.ptr(),
+                    out: b(out),
+                    in_dim: in_u,
+                    rows: rows_u,
+                    rows_per_group,
+                    _pad: 0,
+                };
+                self.launch(blocks(rows, 8), 256, a);
             }
-            GgmlType::F16 | GgmlType::F32 => {
-                let args = vec![
-                    Arg::Weight(w),
-                    Arg::Buf(x),
-                    Arg::Buf(out),
-                    Arg::U32(in_dim as u32),
-                    Arg::U32(rows as u32),
-                    Arg::U32(rows_per_group),
-                ];
-                if t.ty == GgmlType::F16 {
-                    // One warp per row, 8 rows per block.
-                    self.launch("mat_vec_f16", grid, 256, args);
-                } else {
-                    // One thread per row (sequential sums), 64 rows per block.
-                    self.launch("mat_vec_f32", blocks(rows, 64), 64, args);
+            GgmlType::F16 => {
+                if in_dim % 8 != 0 {
+                    return Err(format!("F16 rows of {in_dim} are not a multiple of 8 for the 16-byte loads"));
                 }
+                let n_chunks = in_dim.div_ceil(numerics::CHUNK);
+                if rows < SPLIT_K_ROWS && n_chunks > 1 {
+                    self.need(Scratch::Partial, rows * n_chunks * 4);
+                    let a = MatVecF16SplitArgs {
+                        w: w(wt),
+                        x: b(x),
+                        partial: Scratch::Partial.ptr(),
+                        in_dim: in_u,
+                        rows: rows_u,
+                        rows_per_group,
+                        n_chunks: n_chunks as u32,
+                    };
+                    self.launch(blocks(rows * n_chunks, 8), 256, a);
+                    let a = SumChunksArgs {
+                        partial: Scratch::Partial.ptr(),
+                        out: b(out),
+                        rows: rows_u,
+                        n_chunks: n_chunks as u32,
+                    };
+                    self.launch(blocks(rows, 128), 128, a);
+                } else {
+                    let a = MatVecF16Args {
+                        w: w(wt),
+                        x: b(x),
+                        out: b(out),
+                        in_dim: in_u,
+                        rows: rows_u,
+                        rows_per_group,
+                        _pad: 0,
+                    };
+                    self.launch(blocks(rows, 8), 256, a);
+                }
+            }
+            GgmlType::F32 => {
+                if in_dim % 4 != 0 {
+                    return Err(format!("F32 rows of {in_dim} are not a multiple of 4 for the 16-byte loads"));
+                }
+                let a = MatVecF32Args {
+                    w: w(wt),
+                    x: b(x),
+                    out: b(out),
+                    in_dim: in_u,
+                    rows: rows_u,
+                    rows_per_group,
+                    _pad: 0,
+                };
+                self.launch(blocks(rows, 8), 256, a);
             }
             other => return Err(format!("tensor '{}' of type {other:?} is not a dense matrix", t.name)),
         }
@@ -173,20 +214,22 @@ impl Builder<'_> {
 
     fn op(&mut self, step: &Step) -> Result<(), String> {
         self.cond = pack_cond(step.cond);
-        use Arg::{Buf as B, Weight as W, F32, U32};
         match step.op {
             Op::EmbedHc { table, out, n_hc } => {
                 let n_embd = self.program.weight(table).dim(0) as usize;
-                let f16 = self.is_f16(table)?;
-                let args = vec![W(table), U32(f16), B(out), U32(n_embd as u32), U32(n_hc)];
-                self.launch("embed_hc", blocks(n_embd, 256), 256, args);
+                let is_f16 = self.is_f16(table)?;
+                let a = EmbedHcArgs { table: w(table), out: b(out), n_embd: n_embd as u32, n_hc, is_f16, _pad: 0 };
+                self.launch(blocks(n_embd, 256), 256, a);
             }
             Op::RmsNorm { x, weight, out, n, rows, eps } => {
-                let w = match weight {
-                    Some(w) => self.f32_weight(w)?,
-                    None => Arg::Null,
+                if n % 4 != 0 || n as usize > 64 * numerics::CHUNK {
+                    return Err(format!("RMS norm rows of {n} must be a multiple of 4 and at most 32768"));
+                }
+                let wp = match weight {
+                    Some(x) => self.f32_weight(x)?,
+                    None => Ptr::NULL,
                 };
-                self.launch("rms_norm", rows, 256, vec![B(x), w, B(out), U32(n), F32(eps)]);
+                self.launch(rows, 256, RmsNormArgs { x: b(x), w: wp, out: b(out), n, eps });
             }
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
             Op::MatVecGrouped { w, x, out, groups } => self.mat_vec(w, x, out, groups)?,
@@ -194,30 +237,37 @@ impl Builder<'_> {
                 if n_hc != 4 {
                     return Err(format!("the HC kernel needs 4 streams, not {n_hc}"));
                 }
-                let (s, b) = (self.f32_weight(scale)?, self.f32_weight(base)?);
-                self.launch("hc_split", 1, 32, vec![B(mix), s, b, B(split), U32(n_hc), U32(iters), F32(eps)]);
+                let (scale, base) = (self.f32_weight(scale)?, self.f32_weight(base)?);
+                self.launch(
+                    1,
+                    32,
+                    HcSplitArgs { mix: b(mix), scale, base, split: b(split), n_hc, iters, eps, _pad: 0 },
+                );
             }
             Op::HcWeightedSum { hc, weights, out, n_hc } => {
                 let n = self.len(out);
-                self.launch(
-                    "hc_weighted_sum",
-                    blocks(n, 256),
-                    256,
-                    vec![B(hc), B(weights), B(out), U32(n as u32), U32(n_hc)],
-                );
+                let a = HcWeightedSumArgs { hc: b(hc), weights: b(weights), out: b(out), n: n as u32, n_hc };
+                self.launch(blocks(n, 256), 256, a);
             }
             Op::HcPost { block, residual, split, out, n_hc } => {
                 let n = self.len(block);
-                let args = vec![B(block), B(residual), B(split), B(out), U32(n as u32), U32(n_hc)];
-                self.launch("hc_post", blocks(n * n_hc as usize, 256), 256, args);
+                let a = HcPostArgs {
+                    block: b(block),
+                    residual: b(residual),
+                    split: b(split),
+                    out: b(out),
+                    n: n as u32,
+                    n_hc,
+                };
+                self.launch(blocks(n * n_hc as usize, 256), 256, a);
             }
             Op::HcHeadWeights { pre, scale, base, out, eps } => {
                 let n = self.len(pre) as u32;
-                let (s, b) = (self.f32_weight(scale)?, self.f32_weight(base)?);
-                self.launch("hc_head_weights", 1, 32, vec![B(pre), s, b, B(out), U32(n), F32(eps)]);
+                let (scale, base) = (self.f32_weight(scale)?, self.f32_weight(base)?);
+                self.launch(1, 32, HcHeadWeightsArgs { pre: b(pre), scale, base, out: b(out), n, eps });
             }
             Op::RopeTail { x, n_head, head_dim, n_rot, rope, pos, inverse } => {
-                let (mode, ratio) = match pos {
+                let (pos_mode, ratio) = match pos {
                     RopePos::Current => (0, 0),
                     RopePos::CompressedRow { ratio } => (1, ratio),
                 };
@@ -228,69 +278,72 @@ impl Builder<'_> {
                         self.ropes.len() - 1
                     }
                 };
-                let args = vec![
-                    B(x),
-                    U32(n_head),
-                    U32(head_dim),
-                    U32(n_rot),
-                    Arg::Rope(table),
-                    U32(mode),
-                    U32(ratio),
-                    U32(inverse as u32),
-                ];
-                self.launch("rope_tail", blocks((n_head * n_rot / 2) as usize, 128), 128, args);
+                let a = RopeTailArgs {
+                    x: b(x),
+                    table: Ptr::rope(table),
+                    n_head,
+                    head_dim,
+                    n_rot,
+                    pos_mode,
+                    ratio,
+                    inverse: inverse as u32,
+                };
+                self.launch(blocks((n_head * n_rot / 2) as usize, 128), 128, a);
             }
             Op::Fp8RoundTrip { x, head_dim, n_rot } => {
-                self.launch("fp8_round_trip", (head_dim - n_rot) / 64, 64, vec![B(x)]);
+                self.launch((head_dim - n_rot) / 64, 64, Fp8RoundTripArgs { x: b(x) });
             }
-            Op::IndexerQat { x, rows, .. } => self.launch("indexer_qat", rows, 128, vec![B(x)]),
+            Op::IndexerQat { x, rows, .. } => self.launch(rows, 128, IndexerQatArgs { x: b(x) }),
             Op::StoreRaw { kv, cache, row_dim, raw_cap } => {
-                self.launch(
-                    "store_raw",
-                    blocks(row_dim as usize, 256),
-                    256,
-                    vec![B(kv), B(cache), U32(row_dim), U32(raw_cap)],
-                );
+                let a = StoreRawArgs { kv: b(kv), cache: b(cache), dim: row_dim, raw_cap };
+                self.launch(blocks(row_dim as usize, 256), 256, a);
             }
             Op::CompressorStore { kv, score, ape, state_kv, state_score, width, ratio } => {
-                let f16 = self.is_f16(ape)?;
-                let args = vec![B(kv), B(score), W(ape), U32(f16), B(state_kv), B(state_score), U32(width), U32(ratio)];
-                self.launch("compressor_store", blocks(width as usize, 256), 256, args);
+                let ape_f16 = self.is_f16(ape)?;
+                let a = CompressorStoreArgs {
+                    kv: b(kv),
+                    score: b(score),
+                    ape: w(ape),
+                    state_kv: b(state_kv),
+                    state_score: b(state_score),
+                    ape_f16,
+                    width,
+                    ratio,
+                    _pad: 0,
+                };
+                self.launch(blocks(width as usize, 256), 256, a);
             }
             Op::CompressorPool { state_kv, state_score, out, head_dim, ratio } => {
-                let args = vec![B(state_kv), B(state_score), B(out), U32(head_dim), U32(ratio)];
-                self.launch("compressor_pool", blocks(head_dim as usize, 256), 256, args);
+                let a = CompressorPoolArgs { kv: b(state_kv), score: b(state_score), out: b(out), head_dim, ratio };
+                self.launch(blocks(head_dim as usize, 256), 256, a);
             }
             Op::CompressorShift { state_kv, state_score, width, ratio } => {
                 let n = ratio * width;
-                self.launch(
-                    "compressor_shift",
-                    blocks(n as usize, 256),
-                    256,
-                    vec![B(state_kv), B(state_score), U32(n)],
-                );
+                let a = CompressorShiftArgs { state_kv: b(state_kv), state_score: b(state_score), n, _pad: 0 };
+                self.launch(blocks(n as usize, 256), 256, a);
             }
             Op::StoreCompRow { row, cache, row_dim, ratio } => {
-                let args = vec![B(row), B(cache), U32(row_dim), U32(ratio)];
-                self.launch("store_comp_row", blocks(row_dim as usize, 256), 256, args);
+                let a = StoreCompRowArgs { row: b(row), cache: b(cache), dim: row_dim, ratio };
+                self.launch(blocks(row_dim as usize, 256), 256, a);
             }
             Op::IndexerScores { q, weights, cache, out, n_head, head_dim, scale, rows } => {
-                if head_dim > 128 || n_head > 128 {
-                    return Err(format!("indexer of {n_head} heads x {head_dim} exceeds the kernel's 128 x 128"));
+                if head_dim % 4 != 0 || n_head > 128 {
+                    return Err(format!("indexer of {n_head} heads x {head_dim} exceeds the kernel's 128 heads"));
                 }
                 let ratio = comp_ratio(rows)?;
-                let args = vec![
-                    B(q),
-                    B(weights),
-                    B(cache),
-                    B(out),
-                    U32(n_head),
-                    U32(head_dim),
-                    F32(scale),
-                    U32(ratio),
-                    U32(rows.cap),
-                ];
-                self.launch("indexer_scores", rows.cap.clamp(1, 4096), 128, args);
+                let a = IndexerScoresArgs {
+                    q: b(q),
+                    weights: b(weights),
+                    cache: b(cache),
+                    out: b(out),
+                    n_head,
+                    head_dim,
+                    scale,
+                    ratio,
+                    cap: rows.cap,
+                    _pad: 0,
+                };
+                self.launch(rows.cap.clamp(1, 4096), 128, a);
             }
             Op::IndexerTopK { scores, out, top_k, rows } => {
                 if top_k > 1024 {
@@ -298,8 +351,16 @@ impl Builder<'_> {
                 }
                 self.need(Scratch::Taken, rows.cap as usize * 4);
                 let ratio = comp_ratio(rows)?;
-                let args = vec![B(scores), B(out), Arg::Scratch(Scratch::Taken), U32(top_k), U32(ratio), U32(rows.cap)];
-                self.launch("indexer_top_k", 1, 1024, args);
+                let a = IndexerTopKArgs {
+                    scores: b(scores),
+                    out: b(out),
+                    taken: Scratch::Taken.ptr(),
+                    top_k,
+                    ratio,
+                    cap: rows.cap,
+                    _pad: 0,
+                };
+                self.launch(1, 1024, a);
             }
             Op::Attention { q, raw, comp, selected, top_k, sinks, out, n_head, head_dim, raw_rows, comp_rows } => {
                 let window = match raw_rows.kind {
@@ -313,23 +374,24 @@ impl Builder<'_> {
                 // Visible compressed rows never exceed the cap, nor top_k once the indexer selects.
                 let max_rows = raw_rows.cap + comp_rows.cap;
                 self.need(Scratch::Scores, (n_head * max_rows) as usize * 4);
-                let args = vec![
-                    B(q),
-                    B(raw),
-                    comp.map_or(Arg::Null, B),
-                    selected.map_or(Arg::Null, B),
-                    self.f32_weight(sinks)?,
-                    B(out),
-                    Arg::Scratch(Scratch::Scores),
-                    U32(head_dim),
-                    U32(window),
-                    U32(raw_rows.cap),
-                    U32(ratio),
-                    U32(comp_rows.cap),
-                    U32(top_k),
-                    U32(max_rows),
-                ];
-                self.launch("attention", n_head, 256, args);
+                let a = AttentionArgs {
+                    q: b(q),
+                    raw: b(raw),
+                    comp: comp.map_or(Ptr::NULL, b),
+                    selected: selected.map_or(Ptr::NULL, b),
+                    sinks: self.f32_weight(sinks)?,
+                    out: b(out),
+                    scores: Scratch::Scores.ptr(),
+                    head_dim,
+                    window,
+                    raw_cap: raw_rows.cap,
+                    ratio,
+                    comp_cap: comp_rows.cap,
+                    top_k,
+                    max_rows,
+                    kq_scale: attention_kq_scale(head_dim),
+                };
+                self.launch(n_head, 256, a);
             }
             Op::RouterSelect { logits, bias, hash, selected, weights, n_used, scale } => {
                 let n_expert = self.len(logits) as u32;
@@ -339,79 +401,92 @@ impl Builder<'_> {
                     ));
                 }
                 let bias = match bias {
-                    Some(b) => self.f32_weight(b)?,
-                    None => Arg::Null,
+                    Some(x) => self.f32_weight(x)?,
+                    None => Ptr::NULL,
                 };
-                let args = vec![
-                    B(logits),
+                let n_vocab = hash.map_or(1, |h| self.program.weight(h).dim(1) as u32);
+                let a = RouterSelectArgs {
+                    logits: b(logits),
                     bias,
-                    hash.map_or(Arg::Null, W),
-                    B(selected),
-                    B(weights),
-                    U32(n_expert),
-                    U32(n_used),
-                    F32(scale),
-                ];
-                self.launch("router_select", 1, 256, args);
+                    hash: hash.map_or(Ptr::NULL, w),
+                    selected: b(selected),
+                    weights: b(weights),
+                    n_expert,
+                    n_used,
+                    n_vocab,
+                    scale,
+                };
+                self.launch(1, 256, a);
             }
             Op::MoeExperts { x, selected, weights, gate, up, down, out, clamp } => {
                 let (gt, dt) = (self.program.weight(gate), self.program.weight(down));
                 let (in_dim, ff, out_dim) = (gt.dim(0) as usize, gt.dim(1) as usize, dt.dim(1) as usize);
+                let n_expert = gt.dim(2) as u32;
                 let n_used = self.len(selected);
                 if in_dim / 256 > 64 || ff / 256 > 64 {
                     return Err(format!("expert rows of {in_dim} and {ff} exceed the kernel's 64 blocks of 256"));
                 }
-                let (g_ty, u_ty, d_ty) = (self.expert_type(gate)?, self.expert_type(up)?, self.expert_type(down)?);
+                let (gate_ty, up_ty, down_ty) =
+                    (self.expert_type(gate)?, self.expert_type(up)?, self.expert_type(down)?);
                 self.need(Scratch::Q8KX, in_dim / 256 * Q8K_BLOCK_BYTES);
                 self.need(Scratch::Mid, n_used * ff * 4);
                 self.need(Scratch::Q8KMid, n_used * ff / 256 * Q8K_BLOCK_BYTES);
-                self.launch("quantize_q8_k", (in_dim / 256) as u32, 256, vec![B(x), Arg::Scratch(Scratch::Q8KX)]);
-                let args = vec![
-                    Arg::Scratch(Scratch::Q8KX),
-                    B(selected),
-                    B(weights),
-                    W(gate),
-                    W(up),
-                    U32(g_ty),
-                    U32(u_ty),
-                    Arg::Scratch(Scratch::Mid),
-                    U32(in_dim as u32),
-                    U32(ff as u32),
-                    U32(n_used as u32),
-                    F32(clamp),
-                    Arg::Grid,
-                ];
-                self.launch("moe_gate_up", blocks(n_used * ff, 8), 256, args);
-                self.launch(
-                    "quantize_q8_k",
-                    (n_used * ff / 256) as u32,
-                    256,
-                    vec![Arg::Scratch(Scratch::Mid), Arg::Scratch(Scratch::Q8KMid)],
-                );
-                let args = vec![
-                    Arg::Scratch(Scratch::Q8KMid),
-                    B(selected),
-                    W(down),
-                    U32(d_ty),
-                    B(out),
-                    U32(ff as u32),
-                    U32(out_dim as u32),
-                    U32(n_used as u32),
-                    Arg::Grid,
-                ];
-                self.launch("moe_down", blocks(out_dim, 8), 256, args);
+                self.launch((in_dim / 256) as u32, 256, QuantizeQ8KArgs { x: b(x), out: Scratch::Q8KX.ptr() });
+                let a = MoeGateUpArgs {
+                    xq: Scratch::Q8KX.ptr(),
+                    selected: b(selected),
+                    weights: b(weights),
+                    gate: w(gate),
+                    up: w(up),
+                    mid: Scratch::Mid.ptr(),
+                    grid: Ptr::GRID,
+                    gate_ty,
+                    up_ty,
+                    in_dim: in_dim as u32,
+                    ff: ff as u32,
+                    n_used: n_used as u32,
+                    n_expert,
+                    clamp,
+                    _pad: 0,
+                };
+                self.launch(blocks(n_used * ff, 8), 256, a);
+                let a = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
+                self.launch((n_used * ff / 256) as u32, 256, a);
+                let a = MoeDownArgs {
+                    midq: Scratch::Q8KMid.ptr(),
+                    selected: b(selected),
+                    down: w(down),
+                    out: b(out),
+                    grid: Ptr::GRID,
+                    down_ty,
+                    ff: ff as u32,
+                    out_dim: out_dim as u32,
+                    n_used: n_used as u32,
+                    n_expert,
+                    _pad: 0,
+                };
+                self.launch(blocks(out_dim, 8), 256, a);
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
-                self.launch("swiglu", blocks(n, 256), 256, vec![B(gate), B(up), B(out), U32(n as u32), F32(clamp)]);
+                self.launch(
+                    blocks(n, 256),
+                    256,
+                    SwiGluArgs { gate: b(gate), up: b(up), out: b(out), n: n as u32, clamp },
+                );
             }
-            Op::Add { a, b, out } => {
+            Op::Add { a, b: y, out } => {
                 let n = self.len(out);
-                self.launch("add", blocks(n, 256), 256, vec![B(a), B(b), B(out), U32(n as u32)]);
+                self.launch(blocks(n, 256), 256, AddArgs { a: b(a), b: b(y), out: b(out), n: n as u32, _pad: 0 });
             }
         }
         Ok(())
     }
+}
+
+/// `1 / sqrt(head_dim)`, as the CPU computes it (IEEE division and square root).
+pub fn attention_kq_scale(head_dim: u32) -> f32 {
+    1.0 / (head_dim as f32).sqrt()
 }
 
 fn comp_ratio(b: crate::recorder::Bound) -> Result<u32, String> {
@@ -439,35 +514,45 @@ mod tests {
     use crate::model::Model;
     use crate::synth::{self, Preset};
 
-    /// Parameter count of each `extern "C" __global__` kernel in the sources (DS4_ARGS is two).
-    fn kernel_arities() -> Vec<(String, usize)> {
+    /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
+    fn kernel_signatures() -> Vec<(String, String)> {
         let src = super::super::kernel_source();
         let mut out = Vec::new();
         for part in src.split("extern \"C\" __global__ void ").skip(1) {
             let name = part[..part.find('(').unwrap()].trim().to_string();
             let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
-            let n = params.split(',').count() + params.contains("DS4_ARGS") as usize;
-            out.push((name, n));
+            let parts: Vec<&str> = params.split(',').map(str::trim).collect();
+            assert_eq!(parts.len(), 2, "{name} takes (DS4_ARGS, const XArgs a), not ({params})");
+            assert_eq!(parts[0], "DS4_ARGS", "{name}");
+            let ty = parts[1].strip_prefix("const ").and_then(|t| t.strip_suffix(" a")).unwrap_or("?").to_string();
+            out.push((name, ty));
         }
         out
     }
 
     #[test]
     fn every_launch_matches_its_kernel_signature() {
-        let arities = kernel_arities();
-        assert!(arities.len() >= 20, "kernels found: {arities:?}");
+        let sigs = kernel_signatures();
+        assert!(sigs.len() >= 25, "kernels found: {sigs:?}");
+        // Each kernel takes the struct declared for it in args.rs.
+        for (kernel, c_name, _, _) in args::all() {
+            let (_, ty) = sigs
+                .iter()
+                .find(|(k, _)| k == kernel)
+                .unwrap_or_else(|| panic!("no kernel named {kernel} in kernels/"));
+            assert_eq!(ty, c_name, "kernel {kernel}");
+        }
         for preset in [Preset::tiny(), Preset::small()] {
             let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
             let plan = plan(&program).unwrap();
             let mut ops_seen = vec![false; program.steps().len()];
             for l in &plan.launches {
-                let (_, n) = arities
-                    .iter()
-                    .find(|(k, _)| k == l.kernel)
-                    .unwrap_or_else(|| panic!("no kernel named {} in kernels/", l.kernel));
-                assert_eq!(l.args.len() + 2, *n, "kernel {} takes {n} parameters", l.kernel);
+                assert!(sigs.iter().any(|(k, _)| k == l.kernel), "no kernel named {} in kernels/", l.kernel);
                 assert!(l.grid >= 1 && l.block >= 32 && l.block <= 1024, "{}: {} x {}", l.kernel, l.grid, l.block);
+                for &p in &l.ptr_words {
+                    assert!(args::Ptr(l.args[p]).reference().is_some(), "{}: word {p} is not a reference", l.kernel);
+                }
                 ops_seen[l.op] = true;
             }
             assert!(ops_seen.iter().all(|&s| s), "every recorded op has at least one launch");

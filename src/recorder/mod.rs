@@ -162,6 +162,25 @@ impl Program {
     pub fn buffer_bytes(&self) -> u64 {
         self.buffers.iter().map(|b| b.len as u64 * 4).sum()
     }
+    /// Vocabulary size: the length of the logits buffer.
+    pub fn n_vocab(&self) -> usize {
+        self.buffer(self.logits).len
+    }
+    /// Refuses parameters the program cannot run: a position at or beyond the context it was
+    /// recorded for (the caches would be written past their rows), or a token outside the
+    /// vocabulary (the embedding and hash tables would be read out of bounds).
+    pub fn check_params(&self, p: &StepParams) -> Result<(), String> {
+        if p.pos >= self.positions {
+            return Err(format!(
+                "position {} is outside the context of {} positions this program was recorded for",
+                p.pos, self.positions
+            ));
+        }
+        if p.token as usize >= self.n_vocab() {
+            return Err(format!("token id {} is outside the vocabulary ({} tokens)", p.token, self.n_vocab()));
+        }
+        Ok(())
+    }
     /// Ops that run for `p` (their predicates hold).
     pub fn active_steps<'a>(&'a self, p: &'a StepParams) -> impl Iterator<Item = &'a Op> + 'a {
         self.steps.iter().filter(move |s| s.cond.is_none_or(|c| c.eval(p))).map(|s| &s.op)

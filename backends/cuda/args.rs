@@ -1,0 +1,233 @@
+//! Kernel arguments: one `#[repr(C)]` struct per kernel, defined once here. The C definitions
+//! the kernels see are generated from the same declaration ([`c_header`]), so the host and the
+//! kernel cannot disagree on a field's order, type or offset. Every kernel is
+//! `NAME(const StepParams* P, u64 cond, const NameArgs a)`.
+
+use crate::recorder::StepParams;
+
+/// A device pointer field. While a launch is planned it holds a symbolic reference
+/// ([`Ptr::buf`], [`Ptr::weight`], ...); the executable replaces it by the address.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Ptr(pub u64);
+
+/// What a symbolic [`Ptr`] refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PtrRef {
+    Null,
+    Buf(u32),
+    Weight(u32),
+    Scratch(u32),
+    /// The IQ2_XXS grid table.
+    Grid,
+    /// The (cos, sin) table of `Plan::ropes[i]`.
+    Rope(u32),
+}
+
+impl Ptr {
+    pub const NULL: Ptr = Ptr(0);
+    pub const GRID: Ptr = Ptr(5 << 32);
+    pub fn buf(b: crate::recorder::Buf) -> Ptr {
+        Ptr((1 << 32) | b.0 as u64)
+    }
+    pub fn weight(w: crate::recorder::WeightId) -> Ptr {
+        Ptr((2 << 32) | w.0 as u64)
+    }
+    pub fn scratch(i: u32) -> Ptr {
+        Ptr((3 << 32) | i as u64)
+    }
+    pub fn rope(i: usize) -> Ptr {
+        Ptr((4 << 32) | i as u64)
+    }
+    /// The reference a planned (not yet resolved) pointer holds.
+    pub fn reference(self) -> Option<PtrRef> {
+        let (kind, i) = (self.0 >> 32, self.0 as u32);
+        Some(match kind {
+            0 if i == 0 => PtrRef::Null,
+            1 => PtrRef::Buf(i),
+            2 => PtrRef::Weight(i),
+            3 => PtrRef::Scratch(i),
+            4 => PtrRef::Rope(i),
+            5 => PtrRef::Grid,
+            _ => return None,
+        })
+    }
+}
+
+/// The kind of one field, for the generated C and for finding the pointers to resolve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Ptr,
+    U32,
+    F32,
+    U64,
+}
+
+impl Field {
+    pub fn bytes(self) -> usize {
+        match self {
+            Field::Ptr | Field::U64 => 8,
+            Field::U32 | Field::F32 => 4,
+        }
+    }
+}
+
+/// Implemented by every kernel's argument struct.
+pub trait KernelArgs: bytemuck::Pod {
+    /// The kernel that takes this struct.
+    const KERNEL: &'static str;
+    /// (name, kind, C type) of every field, in order.
+    const FIELDS: &'static [(&'static str, Field, &'static str)];
+}
+
+macro_rules! field_kind {
+    (Ptr) => {
+        Field::Ptr
+    };
+    (u32) => {
+        Field::U32
+    };
+    (f32) => {
+        Field::F32
+    };
+    (u64) => {
+        Field::U64
+    };
+}
+
+macro_rules! kernel_args {
+    ($( $kernel:literal => $name:ident { $( $field:ident : $ty:ident = $cty:literal ),* $(,)? } )*) => {
+        $(
+            #[repr(C)]
+            #[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+            pub struct $name { $( pub $field: $ty ),* }
+            impl KernelArgs for $name {
+                const KERNEL: &'static str = $kernel;
+                const FIELDS: &'static [(&'static str, Field, &'static str)] =
+                    &[ $( (stringify!($field), field_kind!($ty), $cty) ),* ];
+            }
+        )*
+        /// Every argument struct: (kernel, C name, fields, Rust size).
+        pub fn all() -> Vec<(&'static str, &'static str, &'static [(&'static str, Field, &'static str)], usize)> {
+            vec![ $( ($kernel, stringify!($name), <$name as KernelArgs>::FIELDS, std::mem::size_of::<$name>()) ),* ]
+        }
+    };
+}
+
+kernel_args! {
+    "embed_hc" => EmbedHcArgs { table: Ptr = "const void*", out: Ptr = "float*", n_embd: u32 = "u32", n_hc: u32 = "u32", is_f16: u32 = "u32", _pad: u32 = "u32" }
+    "rms_norm" => RmsNormArgs { x: Ptr = "const float*", w: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", eps: f32 = "float" }
+    "quantize_q8_0" => QuantizeQ80Args { x: Ptr = "const float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
+    "mat_vec_q8_0" => MatVecQ80Args { w: Ptr = "const u8*", xq: Ptr = "const i8*", xd: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
+    "mat_vec_f16" => MatVecF16Args { w: Ptr = "const u16*", x: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
+    "mat_vec_f16_split" => MatVecF16SplitArgs { w: Ptr = "const u16*", x: Ptr = "const float*", partial: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", n_chunks: u32 = "u32" }
+    "sum_chunks" => SumChunksArgs { partial: Ptr = "const float*", out: Ptr = "float*", rows: u32 = "u32", n_chunks: u32 = "u32" }
+    "mat_vec_f32" => MatVecF32Args { w: Ptr = "const float*", x: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
+    "hc_split" => HcSplitArgs { mix: Ptr = "const float*", scale: Ptr = "const float*", base: Ptr = "const float*", split: Ptr = "float*", n_hc: u32 = "u32", iters: u32 = "u32", eps: f32 = "float", _pad: u32 = "u32" }
+    "hc_weighted_sum" => HcWeightedSumArgs { hc: Ptr = "const float*", weights: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", n_hc: u32 = "u32" }
+    "hc_post" => HcPostArgs { block: Ptr = "const float*", residual: Ptr = "const float*", split: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", n_hc: u32 = "u32" }
+    "hc_head_weights" => HcHeadWeightsArgs { pre: Ptr = "const float*", scale: Ptr = "const float*", base: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", eps: f32 = "float" }
+    "rope_tail" => RopeTailArgs { x: Ptr = "float*", table: Ptr = "const float*", n_head: u32 = "u32", head_dim: u32 = "u32", n_rot: u32 = "u32", pos_mode: u32 = "u32", ratio: u32 = "u32", inverse: u32 = "u32" }
+    "fp8_round_trip" => Fp8RoundTripArgs { x: Ptr = "float*" }
+    "indexer_qat" => IndexerQatArgs { x: Ptr = "float*" }
+    "store_raw" => StoreRawArgs { kv: Ptr = "const float*", cache: Ptr = "float*", dim: u32 = "u32", raw_cap: u32 = "u32" }
+    "store_comp_row" => StoreCompRowArgs { row: Ptr = "const float*", cache: Ptr = "float*", dim: u32 = "u32", ratio: u32 = "u32" }
+    "compressor_store" => CompressorStoreArgs { kv: Ptr = "const float*", score: Ptr = "const float*", ape: Ptr = "const void*", state_kv: Ptr = "float*", state_score: Ptr = "float*", ape_f16: u32 = "u32", width: u32 = "u32", ratio: u32 = "u32", _pad: u32 = "u32" }
+    "compressor_pool" => CompressorPoolArgs { kv: Ptr = "const float*", score: Ptr = "const float*", out: Ptr = "float*", head_dim: u32 = "u32", ratio: u32 = "u32" }
+    "compressor_shift" => CompressorShiftArgs { state_kv: Ptr = "float*", state_score: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
+    "indexer_scores" => IndexerScoresArgs { q: Ptr = "const float*", weights: Ptr = "const float*", cache: Ptr = "const float*", out: Ptr = "float*", n_head: u32 = "u32", head_dim: u32 = "u32", scale: f32 = "float", ratio: u32 = "u32", cap: u32 = "u32", _pad: u32 = "u32" }
+    "indexer_top_k" => IndexerTopKArgs { scores: Ptr = "const float*", out: Ptr = "int*", taken: Ptr = "int*", top_k: u32 = "u32", ratio: u32 = "u32", cap: u32 = "u32", _pad: u32 = "u32" }
+    "attention" => AttentionArgs { q: Ptr = "const float*", raw: Ptr = "const float*", comp: Ptr = "const float*", selected: Ptr = "const int*", sinks: Ptr = "const float*", out: Ptr = "float*", scores: Ptr = "float*", head_dim: u32 = "u32", window: u32 = "u32", raw_cap: u32 = "u32", ratio: u32 = "u32", comp_cap: u32 = "u32", top_k: u32 = "u32", max_rows: u32 = "u32", kq_scale: f32 = "float" }
+    "router_select" => RouterSelectArgs { logits: Ptr = "const float*", bias: Ptr = "const float*", hash: Ptr = "const int*", selected: Ptr = "int*", weights: Ptr = "float*", n_expert: u32 = "u32", n_used: u32 = "u32", n_vocab: u32 = "u32", scale: f32 = "float" }
+    "quantize_q8_k" => QuantizeQ8KArgs { x: Ptr = "const float*", out: Ptr = "BlockQ8K*" }
+    "moe_gate_up" => MoeGateUpArgs { xq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", weights: Ptr = "const float*", gate: Ptr = "const u8*", up: Ptr = "const u8*", mid: Ptr = "float*", grid: Ptr = "const u64*", gate_ty: u32 = "u32", up_ty: u32 = "u32", in_dim: u32 = "u32", ff: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", clamp: f32 = "float", _pad: u32 = "u32" }
+    "moe_down" => MoeDownArgs { midq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", down: Ptr = "const u8*", out: Ptr = "float*", grid: Ptr = "const u64*", down_ty: u32 = "u32", ff: u32 = "u32", out_dim: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", _pad: u32 = "u32" }
+    "swiglu" => SwiGluArgs { gate: Ptr = "const float*", up: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", clamp: f32 = "float" }
+    "add" => AddArgs { a: Ptr = "const float*", b: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
+    "fill" => FillArgs { x: Ptr = "u32*", n: u64 = "u64", v: u32 = "u32", _pad: u32 = "u32" }
+}
+
+/// `StepParams` as the kernels see it; its fields are checked against the Rust struct's size.
+const STEP_PARAMS_FIELDS: [(&str, &str); 4] =
+    [("token", "u32"), ("pos", "u32"), ("reserved0", "u32"), ("reserved1", "u32")];
+const _: () = assert!(std::mem::size_of::<StepParams>() == 4 * STEP_PARAMS_FIELDS.len());
+
+/// The generated C header: integer typedefs, `StepParams`, the numerics constants and every
+/// kernel's argument struct.
+pub fn c_header() -> String {
+    let mut s = String::from(
+        "// Generated from backends/cuda/args.rs and src/numerics.rs: do not edit by hand.\n\
+         typedef unsigned char u8;\ntypedef signed char i8;\ntypedef unsigned short u16;\ntypedef short i16;\n\
+         typedef unsigned int u32;\ntypedef unsigned long long u64;\n\n\
+         // Q8_K activation block, laid out as `quant::BlockQ8K` (292 bytes).\n\
+         struct BlockQ8K {\n    float d;\n    i8 qs[256];\n    i16 bsums[16];\n};\n\n",
+    );
+    s += "// Mirrors `recorder::StepParams` (repr(C)): the only per-token input of a replay.\nstruct StepParams {\n";
+    for (name, ty) in STEP_PARAMS_FIELDS {
+        s += &format!("    {ty} {name};\n");
+    }
+    s += "};\n\n";
+    s += &crate::numerics::cuda_constants();
+    s += "\n";
+    for (kernel, name, fields, _) in all() {
+        s += &format!("// The arguments of `{kernel}`.\nstruct {name} {{\n");
+        for (f, _, cty) in fields {
+            s += &format!("    {cty} {f};\n");
+        }
+        s += "};\n";
+    }
+    s
+}
+
+/// A planned launch's argument bytes and where its pointers are, from a typed struct.
+pub fn encode<A: KernelArgs>(a: &A) -> (Vec<u64>, Vec<usize>) {
+    let bytes = bytemuck::bytes_of(a);
+    let mut words = vec![0u64; bytes.len().div_ceil(8)];
+    bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+    let mut ptrs = Vec::new();
+    let mut off = 0;
+    for (_, kind, _) in A::FIELDS {
+        if *kind == Field::Ptr {
+            ptrs.push(off / 8);
+        }
+        off += kind.bytes();
+    }
+    (words, ptrs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The C layout of every struct (as the kernels compile it) has the Rust struct's size and
+    /// offsets: fields are packed in order with no padding, 8-byte fields 8-aligned.
+    #[test]
+    fn c_layout_matches_the_rust_structs() {
+        for (kernel, name, fields, size) in all() {
+            let mut off = 0usize;
+            for (f, kind, cty) in fields {
+                let c_bytes = if cty.ends_with('*') || *cty == "u64" { 8 } else { 4 };
+                assert_eq!(c_bytes, kind.bytes(), "{name}.{f}: C type {cty} vs {kind:?}");
+                assert_eq!(off % c_bytes, 0, "{name}.{f} would be padded in C");
+                off += c_bytes;
+            }
+            assert_eq!(off.div_ceil(8) * 8, size, "{kernel}: C size {off} vs Rust {size}");
+        }
+    }
+
+    #[test]
+    fn pointer_references_round_trip() {
+        use crate::recorder::{Buf, WeightId};
+        assert_eq!(Ptr::buf(Buf(7)).reference(), Some(PtrRef::Buf(7)));
+        assert_eq!(Ptr::weight(WeightId(3)).reference(), Some(PtrRef::Weight(3)));
+        assert_eq!(Ptr::scratch(2).reference(), Some(PtrRef::Scratch(2)));
+        assert_eq!(Ptr::rope(1).reference(), Some(PtrRef::Rope(1)));
+        assert_eq!(Ptr::GRID.reference(), Some(PtrRef::Grid));
+        assert_eq!(Ptr::NULL.reference(), Some(PtrRef::Null));
+        let a = RmsNormArgs { x: Ptr::buf(Buf(1)), w: Ptr::NULL, out: Ptr::buf(Buf(2)), n: 16, eps: 1e-6 };
+        let (words, ptrs) = encode(&a);
+        assert_eq!(ptrs, vec![0, 1, 2]);
+        assert_eq!(words.len(), 4);
+        assert_eq!(words[3] as u32, 16);
+    }
+}
