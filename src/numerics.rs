@@ -154,12 +154,33 @@ pub fn sum<const W: usize, const C: usize>(n: usize, mut t: impl FnMut(usize) ->
 /// Canonical dot of two f32 vectors (attention, indexer, F32 weights).
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    sum::<F32_WIDTH, CHUNK>(n, |i| a[i] * b[i])
+    let full = n / CHUNK * CHUNK;
+    let mut total = 0.0f32;
+    // Whole chunks through fixed-size arrays (no bounds checks, independent lanes).
+    for (x, y) in a[..full].chunks_exact(CHUNK).zip(b[..full].chunks_exact(CHUNK)) {
+        let x: &[f32; CHUNK] = x.try_into().expect("chunk");
+        let y: &[f32; CHUNK] = y.try_into().expect("chunk");
+        let mut acc = [0.0f32; LANES];
+        for u in 0..CHUNK / (F32_WIDTH * LANES) {
+            for (l, s) in acc.iter_mut().enumerate() {
+                let base = (u * LANES + l) * F32_WIDTH;
+                for v in base..base + F32_WIDTH {
+                    *s += x[v] * y[v];
+                }
+            }
+        }
+        total += tree32(acc);
+    }
+    if n > full {
+        let (x, y) = (&a[full..n], &b[full..n]);
+        total += sum::<F32_WIDTH, CHUNK>(n - full, |i| x[i] * y[i]);
+    }
+    total
 }
 
 /// Canonical sum of squares (RMS norm).
 pub fn sum_squares(x: &[f32]) -> f32 {
-    sum::<F32_WIDTH, CHUNK>(x.len(), |i| x[i] * x[i])
+    dot_f32(x, x)
 }
 
 /// Canonical sum of per-block terms (Q8_0, k-quants, IQ2_XXS).

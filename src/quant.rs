@@ -782,10 +782,31 @@ pub fn dot_f16_f32(row: &[u8], x: &[f32]) -> f32 {
 
 /// [`dot_f16_f32`] in the canonical order: 8 terms per lane step, chunks of 512.
 pub fn dot_f16_f32_canonical(row: &[u8], x: &[f32]) -> f32 {
+    const W: usize = numerics::F16_WIDTH;
+    const C: usize = numerics::CHUNK;
     let n = (row.len() / 2).min(x.len());
-    numerics::sum::<{ numerics::F16_WIDTH }, { numerics::CHUNK }>(n, |i| {
-        f16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i]
-    })
+    let full = n / C * C;
+    let mut total = 0.0f32;
+    // Whole chunks through fixed-size arrays (no bounds checks, independent lanes).
+    for (w, xs) in row[..2 * full].chunks_exact(2 * C).zip(x[..full].chunks_exact(C)) {
+        let w: &[u8; 2 * C] = w.try_into().expect("chunk");
+        let xs: &[f32; C] = xs.try_into().expect("chunk");
+        let mut acc = [0.0f32; numerics::LANES];
+        for u in 0..C / (W * numerics::LANES) {
+            for (l, a) in acc.iter_mut().enumerate() {
+                let base = (u * numerics::LANES + l) * W;
+                for v in base..base + W {
+                    *a += f16_to_f32(u16::from_le_bytes([w[2 * v], w[2 * v + 1]])) * xs[v];
+                }
+            }
+        }
+        total += numerics::tree32(acc);
+    }
+    if n > full {
+        let (w, xs) = (&row[2 * full..2 * n], &x[full..n]);
+        total += numerics::sum::<W, C>(n - full, |i| f16_to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])) * xs[i]);
+    }
+    total
 }
 
 /// Dot product of an F32 weight row (raw little-endian bytes) with f32 values, accumulated in

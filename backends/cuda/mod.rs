@@ -97,10 +97,10 @@ mod imp {
         let opts = CompileOptions {
             // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and
             // square root correctly rounded, subnormals kept, as the CPU computes them.
-            fmad: Some(false),
-            prec_div: Some(true),
-            prec_sqrt: Some(true),
-            ftz: Some(false),
+            fmad: Some(COMPILE_FLAGS.0),
+            prec_div: Some(COMPILE_FLAGS.1),
+            prec_sqrt: Some(COMPILE_FLAGS.2),
+            ftz: Some(COMPILE_FLAGS.3),
             options: vec![format!("--gpu-architecture={arch}")],
             name: Some("ds4_kernels.cu".into()),
             ..Default::default()
@@ -108,6 +108,56 @@ mod imp {
         compile_ptx_with_opts(kernel_source(), opts)
             .map_err(|e| err(format!("NVRTC failed to compile the kernels: {e}")))
     }
+
+    /// NVRTC output cached on disk by source hash and architecture, so a second start compiles
+    /// nothing. `DS4_CACHE_DIR` overrides the folder (default `$XDG_CACHE_HOME/ds4` or
+    /// `~/.cache/ds4`); `DS4_CACHE_DIR=off` disables it. A cache that cannot be written is skipped.
+    pub mod cache {
+        use std::path::PathBuf;
+
+        /// FNV-1a: a hash that is stable across Rust versions, unlike `DefaultHasher`.
+        fn fnv1a(bytes: &[u8]) -> u64 {
+            bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+        }
+
+        fn dir() -> Option<PathBuf> {
+            match std::env::var_os("DS4_CACHE_DIR") {
+                Some(d) if d == "off" => None,
+                Some(d) => Some(PathBuf::from(d)),
+                None => std::env::var_os("XDG_CACHE_HOME")
+                    .map(PathBuf::from)
+                    .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                    .map(|d| d.join("ds4")),
+            }
+        }
+
+        /// The cache file for `arch`: its name carries the hash of the source and the options.
+        pub fn path(arch: &str) -> Option<PathBuf> {
+            let key = format!("{}|{arch}|{:?}", super::kernel_source(), super::COMPILE_FLAGS);
+            Some(dir()?.join(format!("kernels-{arch}-{:016x}.ptx", fnv1a(key.as_bytes()))))
+        }
+
+        pub fn load(arch: &str) -> Option<cudarc::nvrtc::Ptx> {
+            let text = std::fs::read_to_string(path(arch)?).ok()?;
+            // A PTX module that the driver can load ends with its last entry's closing brace.
+            text.trim_end().ends_with('}').then(|| cudarc::nvrtc::Ptx::from_src(text))
+        }
+
+        pub fn store(arch: &str, ptx: &str) {
+            if let Some(p) = path(arch) {
+                let tmp = p.with_extension("tmp");
+                let ok = p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
+                    && std::fs::write(&tmp, ptx).is_ok()
+                    && std::fs::rename(&tmp, &p).is_ok();
+                if !ok {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+            }
+        }
+    }
+
+    /// NVRTC flags of the canonical profile (see `compile_kernels`), part of the cache key.
+    const COMPILE_FLAGS: (bool, bool, bool, bool) = (false, true, true, false);
 
     pub struct CudaBackend {
         ctx: Arc<CudaContext>,
@@ -197,8 +247,16 @@ mod imp {
 
             let plan = plan::plan(&program).map_err(err)?;
             let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
-            let ptx = compile_kernels(&format!("sm_{major}{minor}"))?;
-            let module = ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))?;
+            let arch = format!("sm_{major}{minor}");
+            let module = match cache::load(&arch).map(|ptx| ctx.load_module(ptx)) {
+                Some(Ok(m)) => m,
+                // No cache entry, or one the driver rejects (corrupt): compile and rewrite it.
+                _ => {
+                    let ptx = compile_kernels(&arch)?;
+                    cache::store(&arch, &ptx.to_src());
+                    ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))?
+                }
+            };
 
             // Arena layout: program buffers, then backend scratch.
             let mut offsets = Vec::with_capacity(program.buffers().len());
