@@ -11,65 +11,41 @@ extern "C" __global__ void embed_hc(DS4_ARGS, const EmbedHcArgs a) {
     for (u32 h = 0; h < a.n_hc; h++) a.out[h * a.n_embd + d] = v;
 }
 
-// One thread: 4 pre gates, 4 post gates and the 4x4 combine matrix, in ds4's exact order.
-// The model config guarantees 4 streams; fixed sizes keep everything in registers.
+// One warp: lanes 0..7 make the 4 pre and 4 post gates; lane k < 16 holds the combine matrix's
+// element k = src + dst*4 through the softmax and the 20 Sinkhorn iterations. Every row and column
+// sum reads its four elements by shuffles and adds them in ds4's order (dst, or src, ascending),
+// so each lane computes exactly what the serial reference does.
 extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
     DS4_GUARD;
-    if (threadIdx.x != 0 || blockIdx.x != 0 || a.n_hc != 4) return;
+    if (blockIdx.x != 0 || a.n_hc != 4) return;
+    const u32 lane = threadIdx.x & 31;
     const int n = 4;
     const float* mix = a.mix;
     const float* scale = a.scale;
     const float* base = a.base;
     const float eps = a.eps;
-    float c[16];
-#pragma unroll
-    for (int i = 0; i < n; i++) {
-        a.split[i] = 1.0f / (1.0f + ds4_expf(-(mix[i] * scale[0] + base[i]))) + eps;
-        a.split[n + i] = 2.0f / (1.0f + ds4_expf(-(mix[n + i] * scale[1] + base[n + i])));
-    }
-#pragma unroll
-    for (int dst = 0; dst < n; dst++) {
-        float mx = -1.0e30f;
-#pragma unroll
-        for (int src = 0; src < n; src++) {
-            const int k = 2 * n + src + dst * n;
-            c[src + dst * n] = mix[k] * scale[2] + base[k];
-            mx = fmaxf(mx, c[src + dst * n]);
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int src = 0; src < n; src++) {
-            c[src + dst * n] = ds4_expf(c[src + dst * n] - mx);
-            sum += c[src + dst * n];
-        }
-        const float inv = 1.0f / sum;
-#pragma unroll
-        for (int src = 0; src < n; src++) c[src + dst * n] = c[src + dst * n] * inv + eps;
-    }
+    if (lane < 4) a.split[lane] = 1.0f / (1.0f + ds4_expf(-(mix[lane] * scale[0] + base[lane]))) + eps;
+    else if (lane < 8) a.split[lane] = 2.0f / (1.0f + ds4_expf(-(mix[lane] * scale[1] + base[lane])));
+    const u32 k = lane & 15, src = k & 3, dst = k >> 2;
+    float c = mix[2 * n + k] * scale[2] + base[2 * n + k];
+    // Softmax over src for each dst row, then + eps.
+    float mx = -1.0e30f;
+    for (u32 s = 0; s < 4; s++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, dst * 4 + s));
+    c = ds4_expf(c - mx);
+    float sum = 0.0f;
+    for (u32 s = 0; s < 4; s++) sum += __shfl_sync(0xffffffffu, c, dst * 4 + s);
+    c = c * (1.0f / sum) + eps;
     for (u32 it = 0; it < a.iters; it++) {
         if (it > 0) {
-#pragma unroll
-            for (int dst = 0; dst < n; dst++) {
-                float sum = 0.0f;
-#pragma unroll
-                for (int src = 0; src < n; src++) sum += c[src + dst * n];
-                const float inv = 1.0f / (sum + eps);
-#pragma unroll
-                for (int src = 0; src < n; src++) c[src + dst * n] *= inv;
-            }
+            float t = 0.0f;  // this dst row, over src
+            for (u32 s = 0; s < 4; s++) t += __shfl_sync(0xffffffffu, c, dst * 4 + s);
+            c *= 1.0f / (t + eps);
         }
-#pragma unroll
-        for (int src = 0; src < n; src++) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int dst = 0; dst < n; dst++) sum += c[src + dst * n];
-            const float inv = 1.0f / (sum + eps);
-#pragma unroll
-            for (int dst = 0; dst < n; dst++) c[src + dst * n] *= inv;
-        }
+        float t = 0.0f;  // this src column, over dst
+        for (u32 d = 0; d < 4; d++) t += __shfl_sync(0xffffffffu, c, d * 4 + src);
+        c *= 1.0f / (t + eps);
     }
-#pragma unroll
-    for (int i = 0; i < n * n; i++) a.split[2 * n + i] = c[i];
+    if (lane < 16) a.split[2 * n + k] = c;
 }
 
 // out[d] = sum_h weights[h] * hc[h*n + d]

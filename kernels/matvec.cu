@@ -20,17 +20,22 @@ extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
     if (lane == 0) a.xd[b] = d;
 }
 
-// Lane `lane`'s term for block b: (f16(d_w) * d_x) * isum, the integer dot exact.
-__device__ __forceinline__ float q8_0_term(const u8* row, const int* x4, const float* dx, u32 b) {
-    const u8* blk = row + (u64)b * 34;
-    const u16* q16 = (const u16*)(blk + 2);  // GGUF blocks are 2-byte aligned, not 4
+// Q8_0 weights are repacked at upload (backends/cuda: repack_q8_0): all quants (32 bytes per
+// block), then all f16 scales. A lane reads one block as two 16-byte loads.
+// Block b's term: (f16(d_w) * d_x) * isum, the integer dot exact.
+__device__ __forceinline__ float q8_0_term(const int4* wq, const u16* ws, const int4* x4, const float* dx, u32 b) {
+    const int4 w0 = wq[2 * b], w1 = wq[2 * b + 1];
+    const int4 x0 = x4[2 * b], x1 = x4[2 * b + 1];
     int isum = 0;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int wq = (int)((u32)q16[2 * k] | ((u32)q16[2 * k + 1] << 16));
-        isum = __dp4a(wq, x4[b * 8 + k], isum);
-    }
-    return h2f(*(const u16*)blk) * dx[b] * (float)isum;
+    isum = __dp4a(w0.x, x0.x, isum);
+    isum = __dp4a(w0.y, x0.y, isum);
+    isum = __dp4a(w0.z, x0.z, isum);
+    isum = __dp4a(w0.w, x0.w, isum);
+    isum = __dp4a(w1.x, x1.x, isum);
+    isum = __dp4a(w1.y, x1.y, isum);
+    isum = __dp4a(w1.z, x1.z, isum);
+    isum = __dp4a(w1.w, x1.w, isum);
+    return h2f(ws[b]) * dx[b] * (float)isum;
 }
 
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
@@ -40,13 +45,15 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
     if (r >= a.rows) return;
     const u32 nb = a.in_dim / 32;
     const u32 g = r / a.rows_per_group;
-    const u8* row = a.w + (u64)r * nb * 34;
-    const int* x4 = (const int*)(a.xq + (u64)g * a.in_dim);
+    const int4* wq = (const int4*)(a.w + (u64)r * nb * 32);
+    const u16* ws = (const u16*)(a.w + (u64)a.rows * nb * 32) + (u64)r * nb;
+    const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
     const float* dx = a.xd + (u64)g * nb;
     float total = 0.0f;
+#pragma unroll 4
     for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
         float acc = 0.0f;
-        if (c + lane < nb) acc += q8_0_term(row, x4, dx, c + lane);
+        if (c + lane < nb) acc += q8_0_term(wq, ws, x4, dx, c + lane);
         total += warp_sum(acc);
     }
     if (lane == 0) a.out[r] = total;

@@ -18,24 +18,50 @@ extern "C" __global__ void router_select(DS4_ARGS, const RouterSelectArgs a) {
         choice[i] = probs[i] + (bias ? bias[i] : 0.0f);
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    int sel[16];
+    __shared__ int sel[16];
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
     if (a.hash) {
         // A token past the table (refused on the host) or an id past the experts reads nothing.
         const u32 token = min(P->token, a.n_vocab - 1);
-        for (u32 k = 0; k < n_used; k++) sel[k] = min(max(a.hash[(u64)token * n_used + k], 0), (int)n_expert - 1);
+        if (t < n_used) sel[t] = min(max(a.hash[(u64)token * n_used + t], 0), (int)n_expert - 1);
     } else {
-        for (u32 k = 0; k < n_used; k++) sel[k] = -1;
-        for (u32 i = 0; i < n_expert; i++) {
-            for (u32 j = 0; j < n_used; j++) {
-                if (sel[j] < 0 || choice[i] > choice[sel[j]]) {
-                    for (u32 m = n_used - 1; m > j; m--) sel[m] = sel[m - 1];
-                    sel[j] = (int)i;
-                    break;
+        // n_used rounds of a block argmax (largest value, lower expert on ties): the order in
+        // which the CPU's insertion keeps them.
+        for (u32 k = 0; k < n_used; k++) {
+            float v = -__int_as_float(0x7f800000);
+            int idx = 0x7fffffff;
+            for (u32 i = t; i < n_expert; i += blockDim.x) {
+                bool taken = false;
+                for (u32 j = 0; j < k; j++) taken |= sel[j] == (int)i;
+                if (!taken && (choice[i] > v || idx == 0x7fffffff)) {
+                    v = choice[i];
+                    idx = (int)i;
                 }
             }
+            warp_argmax(&v, &idx);
+            if (lane == 0) {
+                best_v[warp] = v;
+                best_i[warp] = idx;
+            }
+            __syncthreads();
+            if (t == 0) {
+                float bv = best_v[0];
+                int bi = best_i[0];
+                for (u32 w = 1; w < nw; w++) {
+                    if (best_i[w] != 0x7fffffff && (bi == 0x7fffffff || best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi))) {
+                        bv = best_v[w];
+                        bi = best_i[w];
+                    }
+                }
+                sel[k] = bi;
+            }
+            __syncthreads();
         }
     }
+    __syncthreads();
+    if (t != 0) return;
     float sum = 0.0f;
     for (u32 k = 0; k < n_used; k++) sum += probs[sel[k]];
     sum = fmaxf(sum, 6.103515625e-5f);

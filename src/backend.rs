@@ -50,6 +50,10 @@ pub trait Executable {
     fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError>;
     /// Refills every state buffer with its initial value (a fresh context).
     fn reset(&mut self) -> Result<(), BackendError>;
+    /// Kernel launches (graph nodes) per token, where the backend launches kernels.
+    fn nodes_per_token(&self) -> Option<usize> {
+        None
+    }
     /// Diagnostics since the last call (for example a CUDA graph that fell back to eager
     /// launches). Library code never prints; the caller decides where these go.
     fn take_warnings(&mut self) -> Vec<String> {

@@ -754,6 +754,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     println!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
     println!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, 1e3 / tps.max(1e-9));
     println!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
+    if let Some(n) = session.executable().nodes_per_token() {
+        println!("nodes      {n} kernel launches (graph nodes) per token");
+    }
     if a.profile {
         let params = ds4::recorder::StepParams::new(ds4::sample::argmax(&logits), session.pos() as u32);
         let prof = session.executable().profile(&params)?;

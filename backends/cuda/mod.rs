@@ -159,6 +159,20 @@ mod imp {
     /// NVRTC flags of the canonical profile (see `compile_kernels`), part of the cache key.
     const COMPILE_FLAGS: (bool, bool, bool, bool) = (false, true, true, false);
 
+    /// Q8_0 blocks as the kernels read them: all quants first (32 bytes per block, so a block is
+    /// two 16-byte loads), then all the f16 scales. GGUF's 34-byte blocks are only 2-byte aligned.
+    /// Same bytes, reordered: the values and so the results do not change.
+    pub fn repack_q8_0(data: &[u8]) -> Vec<u8> {
+        let blocks = data.len() / 34;
+        let mut out = vec![0u8; blocks * 34];
+        let (quants, scales) = out.split_at_mut(blocks * 32);
+        for (i, b) in data.chunks_exact(34).enumerate() {
+            scales[2 * i..2 * i + 2].copy_from_slice(&b[..2]);
+            quants[32 * i..32 * i + 32].copy_from_slice(&b[2..]);
+        }
+        out
+    }
+
     pub struct CudaBackend {
         ctx: Arc<CudaContext>,
         graphs: bool,
@@ -290,7 +304,15 @@ mod imp {
             let mut weights = Vec::with_capacity(program.weights().len());
             let mut weight_ptrs = Vec::with_capacity(program.weights().len());
             for t in program.weights() {
-                let d = stream.clone_htod(model.data(t)).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
+                let data = model.data(t);
+                let repacked;
+                let bytes = if t.ty == crate::quant::GgmlType::Q8_0 {
+                    repacked = repack_q8_0(data);
+                    &repacked[..]
+                } else {
+                    data
+                };
+                let d = stream.clone_htod(bytes).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
                 weight_ptrs.push(d.device_ptr(&stream).0);
                 weights.push(d);
             }
@@ -445,6 +467,11 @@ mod imp {
             Ok(graph)
         }
 
+        /// Kernel launches per token: the nodes of the captured graph.
+        pub fn launches(&self) -> usize {
+            self.launches.len()
+        }
+
         /// Whether the token is replayed as a captured graph now.
         pub fn graph_active(&self) -> bool {
             matches!(self.graph, GraphState::Ready(_))
@@ -549,6 +576,10 @@ mod imp {
             unsafe { result::memcpy_htod_async(self.buf_ptr(buf), &raw, self.stream.cu_stream()) }
                 .map_err(drv("cannot write a buffer"))?;
             self.stream.synchronize().map_err(drv("cannot write a buffer"))
+        }
+
+        fn nodes_per_token(&self) -> Option<usize> {
+            Some(self.launches.len())
         }
 
         fn take_warnings(&mut self) -> Vec<String> {
