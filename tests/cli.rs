@@ -114,8 +114,12 @@ fn errors_are_one_line_with_the_reason() {
     assert!(line.contains("/no/such/model.gguf") && line.contains("does not exist"), "{line}");
     let line = one_line_error(&ds4(&["run", "--backend", "cpu", "-m", m, "-c", "8", "--tokens", "1,2,3,4,5,6,7,8,9"]));
     assert!(line.contains("9 tokens") && line.contains("--ctx 8"), "{line}");
-    let line = one_line_error(&ds4(&["run", "--backend", "cuda", "-m", m, "--tokens", "1,2"]));
-    assert!(line.contains("cuda"), "{line}");
+    // Without CUDA (in this build or on this machine) the error says so; with it, the run works.
+    let out = ds4(&["run", "--backend", "cuda", "-m", m, "--tokens", "1,2"]);
+    if !out.status.success() {
+        let line = one_line_error(&out);
+        assert!(line.contains("cuda"), "{line}");
+    }
     let line = one_line_error(&ds4(&["run", "--backend", "cpu", "-m", m, "--tokens", "1,999999"]));
     assert!(line.contains("999999") && line.contains("vocabulary"), "{line}");
 }
