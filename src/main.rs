@@ -361,7 +361,11 @@ fn read_text(path: &Path, option: &str) -> Result<String> {
     }
     let bytes = std::fs::read(path).with_context(|| format!("{option}: cannot read {}", path.display()))?;
     String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!("{option}: {} is not valid UTF-8 text (at byte {})", path.display(), e.utf8_error().valid_up_to())
+        anyhow::anyhow!(
+            "{option}: {} is not valid UTF-8 text (at byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
     })
 }
 
@@ -887,12 +891,18 @@ fn cmd_inspect(path: &Path) -> Result<()> {
     out!("vocab         {}", c.n_vocab);
     out!(
         "attention     {} heads x {} (RoPE on the last {}), 1 shared KV head, window {}",
-        c.n_head, c.head_dim, c.n_rot, c.n_swa
+        c.n_head,
+        c.head_dim,
+        c.n_rot,
+        c.n_swa
     );
     out!("q / o LoRA    {} / {} x {} groups", c.q_lora_rank, c.o_lora_rank, c.n_out_group);
     out!(
         "experts       {} routed, {} used, ff {}, {} hash-routed layers, 1 shared",
-        c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_hash_layer
+        c.n_expert,
+        c.n_expert_used,
+        c.n_ff_exp,
+        c.n_hash_layer
     );
     out!("indexer       {} heads x {}, top-k {}", c.n_indexer_head, c.indexer_head_dim, c.indexer_top_k);
     let ratios: Vec<String> = c.compress_ratios.iter().map(|r| r.to_string()).collect();

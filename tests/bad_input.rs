@@ -41,7 +41,10 @@ fn stderr(out: &Output) -> String {
 /// No panic message and no backtrace, whatever the outcome.
 fn no_panic(out: &Output, what: &str) {
     let err = stderr(out);
-    assert!(!err.contains("panicked") && !err.contains("backtrace") && !err.contains("internal error"), "{what}: {err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace") && !err.contains("internal error"),
+        "{what}: {err}"
+    );
     assert_ne!(out.status.code(), Some(101), "{what}: exit 101 is a panic: {err}");
 }
 
@@ -54,7 +57,11 @@ struct Case {
 }
 
 fn case(args: &[&str], code: i32, says: &[&str]) -> Case {
-    Case { args: args.iter().map(|s| s.to_string()).collect(), code, says: says.iter().map(|s| s.to_string()).collect() }
+    Case {
+        args: args.iter().map(|s| s.to_string()).collect(),
+        code,
+        says: says.iter().map(|s| s.to_string()).collect(),
+    }
 }
 
 /// A GGUF of another architecture, with a tensor so that it is not mistaken for a vocabulary.
@@ -107,7 +114,11 @@ fn every_bad_input_is_refused_with_a_clear_message() {
             1,
             &["--token-ids gives 65 ids", "only 64 rows"],
         ),
-        case(&["check", "--backend", "cpu", "-m", m, "--logits", &format!("{dir}/none.f32")], 1, &["--logits", "cannot read"]),
+        case(
+            &["check", "--backend", "cpu", "-m", m, "--logits", &format!("{dir}/none.f32")],
+            1,
+            &["--logits", "cannot read"],
+        ),
         c(with(&["check", "--backend", "cpu", "-m", m, "--logits"], &[&empty]), 1, &["--logits", "empty"]),
         // Sampling options out of range were silently changed or accepted.
         c(with(&run, &["--tokens", "1,2", "--temp=-1"]), 2, &["--temp", "at least 0"]),
@@ -131,10 +142,11 @@ fn every_bad_input_is_refused_with_a_clear_message() {
         case(&["inspect", "-m", vocab], 1, &["tokenizer-only GGUF"]),
         case(&["run", "-m", &llama, "-p", "hi"], 1, &["architecture 'llama' is not deepseek4"]),
         // --bisect past the context named neither option.
-        case(&["check", "--backend", "cpu", "--against", "cpu", "-m", m, "--bisect", "100", "-c", "8"], 1, &[
-            "--bisect 100",
-            "--ctx 8",
-        ]),
+        case(
+            &["check", "--backend", "cpu", "--against", "cpu", "-m", m, "--bisect", "100", "-c", "8"],
+            1,
+            &["--bisect 100", "--ctx 8"],
+        ),
         case(&["check", "-m", m, "--logits", logits, "--bisect", "3"], 2, &["--bisect"]),
         case(&["check", "-m", m, "--isolate"], 2, &["--bisect"]),
         case(&["check", "-m", m, "--tolerance", "nan"], 2, &["--tolerance", "finite"]),
@@ -143,18 +155,19 @@ fn every_bad_input_is_refused_with_a_clear_message() {
         // Zero counts gave meaningless figures.
         case(&["bench", "--backend", "cpu", "-m", m, "--prefill", "0", "-n", "0"], 2, &["--prefill", "at least 1"]),
         case(&["bench", "--backend", "cpu", "-m", m, "--prefill", "1", "-n", "0"], 2, &["--tokens", "at least 1"]),
-        case(&["bench", "--backend", "cpu", "-m", m, "--prefill", "8", "-n", "8", "-c", "10"], 1, &[
-            "--prefill 8",
-            "--ctx 10",
-        ]),
+        case(
+            &["bench", "--backend", "cpu", "-m", m, "--prefill", "8", "-n", "8", "-c", "10"],
+            1,
+            &["--prefill 8", "--ctx 10"],
+        ),
         // Empty prompts, and contexts beyond the model's.
         c(with(&run, &["-p", ""]), 1, &["-p/--prompt is empty"]),
         c(with(&run, &["--prompt-file"]).into_iter().chain([empty.clone()]).collect(), 1, &["--prompt-file", "empty"]),
-        c(with(&run, &["--prompt-file"]).into_iter().chain([not_utf8.clone()]).collect(), 1, &[
-            "--prompt-file",
-            "not valid UTF-8",
-            "byte 3",
-        ]),
+        c(
+            with(&run, &["--prompt-file"]).into_iter().chain([not_utf8.clone()]).collect(),
+            1,
+            &["--prompt-file", "not valid UTF-8", "byte 3"],
+        ),
         c(with(&run, &["-p", "hi", "--ctx", "16777216"]), 1, &["--ctx 16777216", "context length 1048576"]),
         c(with(&run, &["-p", "hi", "--ctx", "0"]), 2, &["--ctx", "at least 1"]),
         case(&["run", "--preset", "huge", "-p", "hi"], 2, &["--preset", "tiny"]),
@@ -354,8 +367,17 @@ fn tricky_text() -> impl Strategy<Value = String> {
         "[\u{4E00}-\u{9FA5}\u{3040}-\u{30FF}]{1,6}",
         "[ \t\r\n]{1,5}",
         "[!-/:-@\\[-`{-~]{1,4}[A-Za-z]{0,4}",
-        prop::sample::select(vec!["<｜User｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>", "｜DSML｜", "\u{FEFF}", "é", "🦀"])
-            .prop_map(String::from),
+        prop::sample::select(vec![
+            "<｜User｜>",
+            "<think>",
+            "</think>",
+            "<｜end▁of▁sentence｜>",
+            "｜DSML｜",
+            "\u{FEFF}",
+            "é",
+            "🦀"
+        ])
+        .prop_map(String::from),
     ];
     prop::collection::vec(piece, 0..24).prop_map(|v| v.concat())
 }
