@@ -182,21 +182,21 @@ impl Config {
     /// Reads and validates the shape from a GGUF's metadata.
     pub fn from_gguf(f: &File) -> Result<Config, ConfigError> {
         let m = Meta { f };
-        // A vocabulary-only file (what `ds4 tokenize` reads) has no tensors: say so rather than
-        // report the first missing shape key.
-        if f.tensors().is_empty() {
-            return Err(m.err(if f.get("tokenizer.ggml.tokens").is_some() {
-                "this file is a tokenizer-only GGUF (a vocabulary, no weights): give a model file"
-            } else {
-                "this file has no tensors: it is not a model"
-            }));
-        }
         match f.get("general.architecture").and_then(|v| v.as_str()) {
             Some(ARCH) => {}
             Some(other) => {
                 return Err(m.err(format!("architecture '{other}' is not {ARCH} (this runtime runs DeepSeek V4 Flash)")))
             }
             None => return Err(m.err("missing metadata key 'general.architecture'")),
+        }
+        // A vocabulary-only file (what `ds4 tokenize` reads) has neither tensors nor a shape: say
+        // so rather than report the first missing shape key.
+        if f.tensors().is_empty() && f.get(&Meta::key("block_count")).is_none() {
+            return Err(m.err(if f.get("tokenizer.ggml.tokens").is_some() {
+                "this file is a tokenizer-only GGUF (a vocabulary, no weights): give a model file"
+            } else {
+                "this file has no tensors and no model shape: it is not a model"
+            }));
         }
         let n_layer = m.usize("block_count")?;
         let ratios = m.array("attention.compress_ratios")?;
