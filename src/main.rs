@@ -1,6 +1,6 @@
 //! The `ds4` command line: run, check, bench, inspect, synth, tokenize.
 
-use std::io::Write;
+use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +13,7 @@ use ds4::backend::{self, Backend, BackendKind, BackendOptions};
 use ds4::gguf;
 use ds4::model::Model;
 use ds4::numerics::Numerics;
-use ds4::sample::{Sampler, SamplerConfig};
+use ds4::sample::{self as sampling, Sampler, SamplerConfig};
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
 use ds4::tokenizer::{StreamDecoder, ThinkMode, Tokenizer};
@@ -22,6 +22,12 @@ use ds4::tokenizer::{StreamDecoder, ThinkMode, Tokenizer};
 const DEFAULT_MODEL: &str = "ds4flash.gguf";
 /// Seed of the embedded tiny model.
 const EMBEDDED_SEED: u64 = 4;
+
+/// Prints a line to stdout and returns an error when stdout is gone (e.g. closed by `| head`);
+/// `main` ends quietly with success on that error, as Unix tools do.
+macro_rules! out {
+    ($($arg:tt)*) => { writeln!(std::io::stdout(), $($arg)*)? };
+}
 
 #[derive(Parser)]
 #[command(name = "ds4", version, about = "A Rust runtime for DeepSeek V4 Flash GGUF files")]
@@ -40,29 +46,37 @@ enum Cmd {
     Bench(BenchArgs),
     /// Describe a model file.
     Inspect {
+        /// GGUF model file to describe.
         #[arg(short, long)]
         model: PathBuf,
     },
     /// Write a deterministic random-weight model of a named shape.
     Synth {
+        /// Model shape: tiny, small, or flash-4l (4 layers of the real Flash shape).
         #[arg(long, value_parser = ["tiny", "small", "flash-4l"])]
         preset: String,
+        /// GGUF file to write (checked before the model is built).
         #[arg(long)]
         out: PathBuf,
+        /// Seed of the random weights.
         #[arg(long, default_value_t = EMBEDDED_SEED)]
         seed: u64,
     },
     /// Compile the CUDA kernels with NVRTC for an architecture (needs libnvrtc, not a GPU).
     Kernels {
+        /// GPU architecture, e.g. sm_89, sm_90, sm_121.
         #[arg(long, default_value = "sm_90")]
         arch: String,
     },
     /// Print the token ids of a text as a JSON array.
     Tokenize {
+        /// GGUF file with a tokenizer: a model or a tokenizer-only file.
         #[arg(short, long)]
         model: PathBuf,
+        /// Text to tokenize (plain text, no chat template).
         #[arg(short, long, conflicts_with = "prompt_file")]
         prompt: Option<String>,
+        /// Read the text to tokenize from a file (UTF-8).
         #[arg(long)]
         prompt_file: Option<PathBuf>,
     },
@@ -103,23 +117,23 @@ struct ModelArgs {
     /// GGUF model file. Without it, ./ds4flash.gguf, else the embedded tiny synthetic model.
     #[arg(short, long)]
     model: Option<PathBuf>,
-    /// Synthesize a preset model in memory instead of reading a file (tiny, small, flash-4l).
-    #[arg(long, conflicts_with = "model")]
+    /// Synthesize a preset model in memory instead of reading a file.
+    #[arg(long, conflicts_with = "model", value_parser = ["tiny", "small", "flash-4l"])]
     preset: Option<String>,
+    /// Where to run: auto takes the first of cuda, wgpu, cpu that this build and machine offer.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
     /// CUDA: replay the token as one captured graph (on) or launch kernels eagerly (off).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     graphs: OnOff,
-    /// CPU worker threads (0: all cores).
+    /// CPU worker threads, at most the number of cores (0: all cores).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
-    /// Numerics profile: `ds4` (CPU only, ds4's own numbers; the CPU's default) or `canonical`
-    /// (bit-identical on every backend; the only one the GPU backends implement).
+    /// Numerics: ds4 (CPU only, its default) or canonical (every backend, bit for bit).
     #[arg(long, value_enum)]
     numerics: Option<NumericsArg>,
-    /// Context length in tokens.
-    #[arg(short, long, default_value_t = 32768)]
+    /// Context length in tokens, at most the model's trained context length.
+    #[arg(short, long, default_value_t = 32768, value_parser = at_least_one)]
     ctx: usize,
 }
 
@@ -129,6 +143,40 @@ struct ModelArgs {
 enum TokensArg {
     Count(usize),
     Ids(Vec<u32>),
+}
+
+/// A count that must be at least 1 (a context length, a number of steps to compare or time).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("'{s}' is not a whole number")),
+    }
+}
+
+fn parse_f32(s: &str) -> Result<f32, String> {
+    s.trim().parse::<f32>().map_err(|_| format!("'{s}' is not a number"))
+}
+
+fn parse_temp(s: &str) -> Result<f32, String> {
+    sampling::check_temperature(parse_f32(s)?).map_err(|e| e.to_string())
+}
+
+fn parse_top_p(s: &str) -> Result<f32, String> {
+    sampling::check_top_p(parse_f32(s)?).map_err(|e| e.to_string())
+}
+
+fn parse_min_p(s: &str) -> Result<f32, String> {
+    sampling::check_min_p(parse_f32(s)?).map_err(|e| e.to_string())
+}
+
+fn parse_tolerance(s: &str) -> Result<f32, String> {
+    let t = parse_f32(s)?;
+    if t.is_finite() && t >= 0.0 {
+        Ok(t)
+    } else {
+        Err(format!("tolerance {t} must be a finite number at least 0"))
+    }
 }
 
 fn parse_tokens_arg(s: &str) -> Result<TokensArg, String> {
@@ -160,8 +208,10 @@ fn parse_ids(s: &str) -> Result<IdList, String> {
 struct RunArgs {
     #[command(flatten)]
     m: ModelArgs,
+    /// The prompt, rendered with DeepSeek V4's chat template.
     #[arg(short, long, conflicts_with_all = ["prompt_file", "token_ids"])]
     prompt: Option<String>,
+    /// Read the prompt from a file (UTF-8 text).
     #[arg(long, conflicts_with = "token_ids")]
     prompt_file: Option<PathBuf>,
     /// System prompt of the chat template.
@@ -173,16 +223,19 @@ struct RunArgs {
     /// Token ids to feed as they are, with no chat template (same as a comma list to --tokens).
     #[arg(long, value_parser = parse_ids)]
     token_ids: Option<IdList>,
-    /// Sampling temperature; 0 is greedy. Default: 1.0 with a prompt, 0 with raw token ids.
-    #[arg(long)]
+    /// Sampling temperature, at least 0; 0 is greedy. Default: 1.0 with a prompt, 0 with raw token ids.
+    #[arg(long, value_parser = parse_temp, allow_negative_numbers = true)]
     temp: Option<f32>,
-    #[arg(long, default_value_t = 1.0)]
+    /// Sample only from the most likely tokens whose probabilities add up to this (0 to 1; 1: no limit).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_top_p, allow_negative_numbers = true)]
     top_p: f32,
     /// Keep only the k most likely tokens (0: no limit).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    #[arg(long, default_value_t = 0.05)]
+    /// Drop tokens less likely than this fraction of the most likely one (0 to 1; 0: no limit).
+    #[arg(long, default_value_t = 0.05, value_parser = parse_min_p, allow_negative_numbers = true)]
     min_p: f32,
+    /// Seed of the sampler: the same seed and options give the same text.
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Open the answer with <think> (the default).
@@ -195,6 +248,7 @@ struct RunArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Write one row of little-endian f32 logits per fed token, prompt and generated (steps x vocab).
+    /// The file is created before the model loads, so a bad path fails at once.
     #[arg(long)]
     dump_logits: Option<PathBuf>,
 }
@@ -206,9 +260,7 @@ struct CheckArgs {
     /// The backend compared against --backend (ignored with --logits).
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     against: BackendArg,
-    /// The numerics profile of --against. Default: canonical when either side is a GPU backend,
-    /// else the same as --numerics. `--backend cpu --numerics ds4 --against cpu
-    /// --against-numerics canonical` compares the two profiles.
+    /// Numerics of --against (default: canonical if a GPU is involved, else --numerics).
     #[arg(long, value_enum)]
     against_numerics: Option<NumericsArg>,
     /// Reference logits (steps x vocab little-endian f32), e.g. from `run --dump-logits`.
@@ -218,23 +270,23 @@ struct CheckArgs {
     #[arg(long, value_parser = parse_ids)]
     token_ids: Option<IdList>,
     /// Steps to compare when no token ids are given.
-    #[arg(short = 'n', long, default_value_t = 64)]
+    #[arg(short = 'n', long, default_value_t = 64, value_parser = at_least_one)]
     steps: usize,
     /// Largest allowed |logit difference|.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = parse_tolerance, allow_negative_numbers = true)]
     tolerance: f32,
     /// Find the first op whose buffers differ between the two backends at this position
     /// (the token ids, or zeros, are fed before it). Needs --against, not --logits.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "logits")]
     bisect: Option<usize>,
     /// With --bisect: print the largest difference after every op.
-    #[arg(long)]
+    #[arg(long, requires = "bisect")]
     trace: bool,
     /// With --bisect: run each op on both backends from the same inputs (copied from --against)
-    /// and print each op's own difference, relative to the buffer's largest value.
-    #[arg(long)]
+    /// and print each op's own relative difference.
+    #[arg(long, requires = "bisect")]
     isolate: bool,
-    /// With --isolate: the largest relative difference an op may show (flips on a near-tie aside).
+    /// With --isolate: the largest relative difference an op may show.
     #[arg(long, default_value_t = 1e-5)]
     rel_tolerance: f32,
 }
@@ -243,11 +295,11 @@ struct CheckArgs {
 struct BenchArgs {
     #[command(flatten)]
     m: ModelArgs,
-    /// Prompt tokens to prefill before timing decode.
-    #[arg(long, default_value_t = 32)]
+    /// Prompt tokens to prefill before timing decode (at least 1: decode starts from its logits).
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     prefill: usize,
-    /// Decode tokens to time.
-    #[arg(short = 'n', long, default_value_t = 64)]
+    /// Decode tokens to time (at least 1).
+    #[arg(short = 'n', long, default_value_t = 64, value_parser = at_least_one)]
     tokens: usize,
     /// Also time one more token op by op (kernel by kernel on GPUs) and print the slowest.
     #[arg(long)]
@@ -255,6 +307,21 @@ struct BenchArgs {
 }
 
 fn main() {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        // `println!` panics when stdout is closed (`ds4 check ... | head`): end quietly instead.
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        // Any other panic is a bug: one line, no backtrace.
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        eprintln!("ds4: internal error (a bug, please report it): {msg}{at}");
+    }));
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Run(a) => cmd_run(a),
@@ -266,9 +333,56 @@ fn main() {
         Cmd::Kernels { arch } => cmd_kernels(&arch),
     };
     if let Err(e) = r {
+        // A reader that stopped reading (`ds4 inspect | head`) is not a failure.
+        let closed_stdout =
+            e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == ErrorKind::BrokenPipe));
+        if closed_stdout {
+            std::process::exit(0);
+        }
         eprintln!("ds4: error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Refuses settings that would run badly or not at all, before any work starts.
+fn check_model_args(m: &ModelArgs) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if m.threads > cores {
+        bail!("-t/--threads {} is more than the {cores} cores of this machine (0 uses all of them)", m.threads);
+    }
+    Ok(())
+}
+
+/// Opens a GGUF file named by an option, with a message naming the option for a missing file or
+/// a directory (a directory would otherwise fail to map with an obscure OS error).
+fn open_gguf(path: &Path, option: &str) -> Result<gguf::File> {
+    if !path.exists() {
+        bail!("{option}: model file {} does not exist", path.display());
+    }
+    if path.is_dir() {
+        bail!("{option}: {} is a directory, not a GGUF file", path.display());
+    }
+    Ok(gguf::File::open(path)?)
+}
+
+/// Creates an output file before any work starts, so a bad path fails at once.
+fn create_output(path: &Path, option: &str) -> Result<std::fs::File> {
+    std::fs::File::create(path).with_context(|| format!("{option}: cannot write {}", path.display()))
+}
+
+/// Reads a UTF-8 text file; invalid UTF-8 is an error naming the file and the byte offset.
+fn read_text(path: &Path, option: &str) -> Result<String> {
+    if path.is_dir() {
+        bail!("{option}: {} is a directory", path.display());
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("{option}: cannot read {}", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{option}: {} is not valid UTF-8 text (at byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 /// A model and its tokenizer, with a line saying where they came from.
@@ -276,6 +390,8 @@ struct Loaded {
     model: Arc<Model>,
     tokenizer: Tokenizer,
     source: String,
+    /// The backend the session runs on (what `--backend auto` chose), set by `start`.
+    backend: String,
 }
 
 fn load(m: &ModelArgs) -> Result<Loaded> {
@@ -294,12 +410,7 @@ fn load(m: &ModelArgs) -> Result<Loaded> {
             None => None,
         };
         match path {
-            Some(p) => {
-                if !p.exists() {
-                    bail!("model file {} does not exist", p.display());
-                }
-                (gguf::File::open(&p)?, p.display().to_string())
-            }
+            Some(p) => (open_gguf(&p, "-m/--model")?, p.display().to_string()),
             None => {
                 let bytes = synth::build(&Preset::tiny(), EMBEDDED_SEED);
                 eprintln!(
@@ -310,8 +421,10 @@ fn load(m: &ModelArgs) -> Result<Loaded> {
             }
         }
     };
-    let tokenizer = Tokenizer::from_gguf(&file)?;
+    // The model first: a tokenizer-only file or another architecture is named as such, rather
+    // than reported as a missing tokenizer key.
     let model = Model::from_file(file)?;
+    let tokenizer = Tokenizer::from_gguf(&model.file)?;
     if tokenizer.vocab_size() != model.config.n_vocab {
         bail!(
             "{}: the tokenizer has {} tokens but the model's vocabulary is {}",
@@ -320,7 +433,7 @@ fn load(m: &ModelArgs) -> Result<Loaded> {
             model.config.n_vocab
         );
     }
-    Ok(Loaded { model, tokenizer, source })
+    Ok(Loaded { model, tokenizer, source, backend: String::new() })
 }
 
 fn backend_kind(b: BackendArg) -> Option<BackendKind> {
@@ -385,8 +498,15 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Loaded, Session, Duration)
     let pb = spinner("loading model");
     let loaded = load(m);
     pb.finish_and_clear();
-    let loaded = loaded?;
+    let mut loaded = loaded?;
+    // The caches grow with --ctx: past the trained length they only cost memory and time.
+    if let Some(max) = loaded.model.config.context_length {
+        if m.ctx as u64 > max {
+            bail!("-c/--ctx {} is more than the model's context length {max} ({})", m.ctx, loaded.source);
+        }
+    }
     let backend = make_backend(m, which, m.numerics)?;
+    loaded.backend = backend_label(backend.name(), m);
     let pb = spinner(&format!("preparing the {} backend", backend.name()));
     let session = Session::new(loaded.model.clone(), backend.as_ref(), m.ctx);
     pb.finish_and_clear();
@@ -396,13 +516,28 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Loaded, Session, Duration)
     eprintln!(
         "ds4: {} on {} ({} numerics): {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), loaded in {:.2} s",
         loaded.source,
-        backend.name(),
+        loaded.backend,
         backend.numerics(),
         loaded.model.config.n_layer,
         m.ctx,
         elapsed.as_secs_f64()
     );
     Ok((loaded, session, elapsed))
+}
+
+/// The backend's name, with the thread count for the CPU backend.
+fn backend_label(name: &str, m: &ModelArgs) -> String {
+    if name == "cpu" {
+        let threads = if m.threads == 0 { rayon::current_num_threads() } else { m.threads };
+        format!("cpu ({threads} threads)")
+    } else {
+        name.to_string()
+    }
+}
+
+/// "1 token", "2 tokens".
+fn tokens(n: usize) -> String {
+    format!("{n} token{}", if n == 1 { "" } else { "s" })
 }
 
 fn rate(n: usize, d: Duration) -> f64 {
@@ -414,6 +549,7 @@ fn rate(n: usize, d: Duration) -> f64 {
 }
 
 fn cmd_run(a: RunArgs) -> Result<()> {
+    check_model_args(&a.m)?;
     let mut n_gen = None;
     let mut ids = a.token_ids.clone().map(|l| l.0);
     for t in &a.tokens {
@@ -429,15 +565,28 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     }
     let raw_ids = ids.is_some();
     let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) if p.is_empty() => bail!("-p/--prompt is empty"),
         (Some(p), _) => Some(p.clone()),
         (None, Some(f)) => {
-            Some(std::fs::read_to_string(f).with_context(|| format!("cannot read prompt file {}", f.display()))?)
+            let text = read_text(f, "--prompt-file")?;
+            if text.is_empty() {
+                bail!("--prompt-file: {} is empty", f.display());
+            }
+            Some(text)
         }
         (None, None) => None,
     };
     if !raw_ids && prompt.is_none() {
         bail!("give a prompt (-p TEXT or --prompt-file FILE) or token ids (--tokens 0,338,298)");
     }
+    let temperature = a.temp.unwrap_or(if raw_ids { 0.0 } else { 1.0 });
+    let sampler_cfg = SamplerConfig { temperature, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, seed: a.seed };
+    sampler_cfg.validate()?;
+    // Created now, not after generating: a bad path must not cost the whole run.
+    let mut dump_file = match &a.dump_logits {
+        Some(p) => Some(create_output(p, "--dump-logits")?),
+        None => None,
+    };
 
     let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
     let tok = &loaded.tokenizer;
@@ -481,9 +630,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     let prefill_time = t_prefill.elapsed();
 
     // Decode.
-    let temperature = a.temp.unwrap_or(if raw_ids { 0.0 } else { 1.0 });
-    let mut sampler =
-        Sampler::new(SamplerConfig { temperature, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, seed: a.seed });
+    let mut sampler = Sampler::new(sampler_cfg);
     let eos = tok.specials().eos;
     let mut out = std::io::stdout().lock();
     let mut text = StreamDecoder::new();
@@ -518,18 +665,29 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     for w in session.take_warnings() {
         eprintln!("ds4: {w}");
     }
-    if let (Some(path), Some(buf)) = (&a.dump_logits, &dump) {
-        std::fs::write(path, buf).with_context(|| format!("cannot write {}", path.display()))?;
+    if let (Some(path), Some(buf), Some(f)) = (&a.dump_logits, &dump, dump_file.as_mut()) {
+        f.write_all(buf).with_context(|| format!("--dump-logits: cannot write {}", path.display()))?;
         let rows = buf.len() / 4 / logits.len().max(1);
         eprintln!("ds4: wrote {rows} x {} logits (one row per fed token) to {}", logits.len(), path.display());
     }
+    // The first generated token comes from the prefill's logits; each later one costs one decode
+    // step, so the rate counts steps, not generated tokens.
+    let decode = if fed_after_first == 0 {
+        format!("generated {}, no decode step to time", tokens(generated))
+    } else {
+        format!(
+            "generated {}; decode {} in {:.3} s ({:.1} tok/s)",
+            tokens(generated),
+            tokens(fed_after_first),
+            decode_time.as_secs_f64(),
+            rate(fed_after_first, decode_time)
+        )
+    };
     eprintln!(
-        "ds4: prefill {} tokens in {:.3} s ({:.1} tok/s); decode {generated} tokens in {:.3} s ({:.1} tok/s)",
+        "ds4: prefill {} tokens in {:.3} s ({:.1} tok/s); {decode}",
         input.len(),
         prefill_time.as_secs_f64(),
         rate(input.len(), prefill_time),
-        decode_time.as_secs_f64(),
-        rate(fed_after_first, decode_time),
     );
     Ok(())
 }
@@ -538,17 +696,46 @@ fn cmd_check(mut a: CheckArgs) -> Result<()> {
     if a.m.numerics.is_none() && matches!(a.against, BackendArg::Cuda | BackendArg::Wgpu) {
         a.m.numerics = Some(NumericsArg::Canonical);
     }
+    check_model_args(&a.m)?;
+    let ctx = a.m.ctx;
+    let n_ids = a.token_ids.as_ref().map(|l| l.0.len());
+    if let Some(pos) = a.bisect {
+        if pos >= ctx {
+            bail!("--bisect {pos} is past the context: -c/--ctx {ctx} holds positions 0 to {}", ctx - 1);
+        }
+    } else if let Some(n) = n_ids {
+        if n > ctx {
+            bail!("--token-ids gives {n} ids, more than -c/--ctx {ctx}");
+        }
+    } else if a.logits.is_none() && a.steps > ctx {
+        bail!("-n {} steps do not fit in -c/--ctx {ctx}", a.steps);
+    }
+    // Read the reference before loading anything: a bad path must fail at once.
+    let raw_reference = match &a.logits {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("--logits: cannot read {}", p.display()))?),
+        None => None,
+    };
     let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
     let n_vocab = loaded.model.config.n_vocab;
-    let reference: Option<Vec<f32>> = match &a.logits {
-        Some(p) => {
-            let raw = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+    let reference: Option<Vec<f32>> = match (&a.logits, raw_reference) {
+        (Some(p), Some(raw)) => {
             if raw.len() % (4 * n_vocab) != 0 {
                 bail!("{}: {} bytes is not a whole number of {n_vocab}-logit rows", p.display(), raw.len());
             }
+            let rows = raw.len() / (4 * n_vocab);
+            if rows == 0 {
+                bail!("--logits: {} is empty: no rows to compare", p.display());
+            }
+            match n_ids {
+                Some(n) if n > rows => {
+                    bail!("--token-ids gives {n} ids, but --logits {} has only {rows} rows", p.display())
+                }
+                None if rows > ctx => bail!("--logits {} has {rows} rows, more than -c/--ctx {ctx}", p.display()),
+                _ => {}
+            }
             Some(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
         }
-        None => None,
+        _ => None,
     };
     let mut other = match reference {
         Some(_) => None,
@@ -727,13 +914,13 @@ fn isolate_ops(r: &mut Session, t: &mut Session, ids: &[u32], pos: usize, rel_to
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
+    check_model_args(&a.m)?;
+    if a.prefill.saturating_add(a.tokens) > a.m.ctx {
+        bail!("--prefill {} plus -n {} tokens do not fit in -c/--ctx {}", a.prefill, a.tokens, a.m.ctx);
+    }
     let (loaded, mut session, load_time) = start(&a.m, a.m.backend)?;
     let cfg = &loaded.model.config;
-    let need = a.prefill + a.tokens;
-    if need > session.ctx() {
-        bail!("--prefill {} plus -n {} tokens do not fit in --ctx {}", a.prefill, a.tokens, session.ctx());
-    }
-    let prompt: Vec<u32> = (0..a.prefill.max(1)).map(|i| ((i * 7919 + 13) % cfg.n_vocab) as u32).collect();
+    let prompt: Vec<u32> = (0..a.prefill).map(|i| ((i * 7919 + 13) % cfg.n_vocab) as u32).collect();
     let t0 = Instant::now();
     let mut logits = session.prefill(&prompt, |_| {})?.to_vec();
     let prefill_time = t0.elapsed();
@@ -748,39 +935,30 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     let bytes = loaded.model.weights.decode_bytes_per_token(cfg) as f64;
     let tps = rate(a.tokens, decode_time);
-    println!("model      {}", loaded.source);
-    println!("backend    {}", session_backend_name(&a.m));
-    println!("load       {:.3} s", load_time.as_secs_f64());
-    println!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
-    println!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, 1e3 / tps.max(1e-9));
-    println!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
+    let ms_per_token = 1e3 * decode_time.as_secs_f64() / a.tokens as f64;
+    out!("model      {}", loaded.source);
+    out!("backend    {}", loaded.backend);
+    out!("load       {:.3} s", load_time.as_secs_f64());
+    out!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
+    out!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, ms_per_token);
+    out!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
     if let Some(n) = session.executable().nodes_per_token() {
-        println!("nodes      {n} kernel launches (graph nodes) per token");
+        out!("nodes      {n} kernel launches (graph nodes) per token");
     }
     if a.profile {
         let params = ds4::recorder::StepParams::new(ds4::sample::argmax(&logits), session.pos() as u32);
         let prof = session.executable().profile(&params)?;
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
-        println!("profile    one token, eager, {:.1} us in total:", total);
+        out!("profile    one token, eager, {:.1} us in total:", total);
         for (name, t) in prof.iter().take(12) {
-            println!("  {name:20} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
+            out!("  {name:20} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
         }
     }
     Ok(())
 }
 
-fn session_backend_name(m: &ModelArgs) -> String {
-    match backend_kind(m.backend) {
-        Some(BackendKind::Cpu) | None => {
-            let threads = if m.threads == 0 { rayon::current_num_threads() } else { m.threads };
-            format!("cpu ({threads} threads)")
-        }
-        Some(k) => k.name().to_string(),
-    }
-}
-
 fn cmd_inspect(path: &Path) -> Result<()> {
-    let file = gguf::File::open(path)?;
+    let file = open_gguf(path, "-m/--model")?;
     let n_tokens = file.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len());
     let arch = file.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("?").to_string();
     let name = file.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string();
@@ -789,25 +967,31 @@ fn cmd_inspect(path: &Path) -> Result<()> {
     let model = Model::from_file(file)?;
     let c = &model.config;
     let w = &model.weights;
-    println!("file          {} ({:.2} MB, {n_tensors} tensors)", path.display(), file_bytes as f64 / 1e6);
-    println!("architecture  {arch}{}", if name.is_empty() { String::new() } else { format!(" ({name})") });
-    println!("layers        {}", c.n_layer);
-    println!("embedding     {}  (x{} HC streams)", c.n_embd, c.n_hc);
-    println!("vocab         {}", c.n_vocab);
-    println!(
+    out!("file          {} ({:.2} MB, {n_tensors} tensors)", path.display(), file_bytes as f64 / 1e6);
+    out!("architecture  {arch}{}", if name.is_empty() { String::new() } else { format!(" ({name})") });
+    out!("layers        {}", c.n_layer);
+    out!("embedding     {}  (x{} HC streams)", c.n_embd, c.n_hc);
+    out!("vocab         {}", c.n_vocab);
+    out!(
         "attention     {} heads x {} (RoPE on the last {}), 1 shared KV head, window {}",
-        c.n_head, c.head_dim, c.n_rot, c.n_swa
+        c.n_head,
+        c.head_dim,
+        c.n_rot,
+        c.n_swa
     );
-    println!("q / o LoRA    {} / {} x {} groups", c.q_lora_rank, c.o_lora_rank, c.n_out_group);
-    println!(
+    out!("q / o LoRA    {} / {} x {} groups", c.q_lora_rank, c.o_lora_rank, c.n_out_group);
+    out!(
         "experts       {} routed, {} used, ff {}, {} hash-routed layers, 1 shared",
-        c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_hash_layer
+        c.n_expert,
+        c.n_expert_used,
+        c.n_ff_exp,
+        c.n_hash_layer
     );
-    println!("indexer       {} heads x {}, top-k {}", c.n_indexer_head, c.indexer_head_dim, c.indexer_top_k);
+    out!("indexer       {} heads x {}, top-k {}", c.n_indexer_head, c.indexer_head_dim, c.indexer_top_k);
     let ratios: Vec<String> = c.compress_ratios.iter().map(|r| r.to_string()).collect();
-    println!("ratios        {}", ratios.join(","));
+    out!("ratios        {}", ratios.join(","));
     for (il, l) in w.layers.iter().enumerate() {
-        println!(
+        out!(
             "  layer {il:2}    {:<22} experts {:?}/{:?}/{:?}{}",
             c.attention_kind(il).describe(),
             l.ffn_gate_exps.ty,
@@ -816,19 +1000,20 @@ fn cmd_inspect(path: &Path) -> Result<()> {
             if c.is_hash_layer(il) { "  hash-routed" } else { "" }
         );
     }
-    println!("weights       {:.2} MB", w.total_bytes() as f64 / 1e6);
-    println!("per token     {:.2} MB read by one decode token", w.decode_bytes_per_token(c) as f64 / 1e6);
+    out!("weights       {:.2} MB", w.total_bytes() as f64 / 1e6);
+    out!("per token     {:.2} MB read by one decode token", w.decode_bytes_per_token(c) as f64 / 1e6);
     match n_tokens {
-        Some(n) => println!("tokenizer     {n} tokens"),
-        None => println!("tokenizer     none"),
+        Some(n) => out!("tokenizer     {n} tokens"),
+        None => out!("tokenizer     none"),
     }
     Ok(())
 }
 
 fn cmd_synth(preset: &str, out: &Path, seed: u64) -> Result<()> {
     let p = Preset::by_name(preset).with_context(|| format!("unknown preset '{preset}'"))?;
+    let mut file = create_output(out, "--out")?;
     let bytes = synth::build(&p, seed);
-    std::fs::write(out, &bytes).with_context(|| format!("cannot write {}", out.display()))?;
+    file.write_all(&bytes).with_context(|| format!("--out: cannot write {}", out.display()))?;
     eprintln!(
         "ds4: wrote the '{preset}' preset ({:.2} MB, seed {seed}) to {}",
         bytes.len() as f64 / 1e6,
@@ -840,18 +1025,18 @@ fn cmd_synth(preset: &str, out: &Path, seed: u64) -> Result<()> {
 fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBuf>) -> Result<()> {
     let text = match (prompt, prompt_file) {
         (Some(p), _) => p,
-        (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?,
+        (None, Some(f)) => read_text(&f, "--prompt-file")?,
         (None, None) => bail!("give -p TEXT or --prompt-file FILE"),
     };
-    let file = gguf::File::open(model)?;
+    let file = open_gguf(model, "-m/--model")?;
     let tok = Tokenizer::from_gguf(&file)?;
-    println!("{}", serde_json::to_string(&tok.encode(&text))?);
+    out!("{}", serde_json::to_string(&tok.encode(&text))?);
     Ok(())
 }
 
 fn cmd_kernels(arch: &str) -> Result<()> {
     let t0 = Instant::now();
     let bytes = ds4::backends::cuda::compile_kernels(arch)?;
-    println!("compiled the CUDA kernels for {arch}: {bytes} bytes of PTX in {:.2} s", t0.elapsed().as_secs_f64());
+    out!("compiled the CUDA kernels for {arch}: {bytes} bytes of PTX in {:.2} s", t0.elapsed().as_secs_f64());
     Ok(())
 }

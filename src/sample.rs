@@ -11,6 +11,55 @@ pub struct SamplerConfig {
     pub seed: u64,
 }
 
+/// Why a sampling setting is refused. The message names the setting and its allowed range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplerError {
+    #[error("temperature {0} must be a finite number at least 0 (0 is greedy)")]
+    Temperature(f32),
+    #[error("top-p {0} must be between 0 and 1 (1 keeps every token)")]
+    TopP(f32),
+    #[error("min-p {0} must be between 0 and 1 (0 keeps every token)")]
+    MinP(f32),
+}
+
+/// Checks a temperature: finite and at least 0. NaN and infinities are refused, never mapped
+/// to greedy or uniform sampling behind the caller's back.
+pub fn check_temperature(t: f32) -> Result<f32, SamplerError> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(t)
+    } else {
+        Err(SamplerError::Temperature(t))
+    }
+}
+
+/// Checks a top-p: a probability mass in [0, 1]; 0 keeps only the most likely token.
+pub fn check_top_p(p: f32) -> Result<f32, SamplerError> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(SamplerError::TopP(p))
+    }
+}
+
+/// Checks a min-p: a fraction of the top probability in [0, 1].
+pub fn check_min_p(p: f32) -> Result<f32, SamplerError> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(SamplerError::MinP(p))
+    }
+}
+
+impl SamplerConfig {
+    /// Checks every setting; callers should refuse a config that fails rather than sample with it.
+    pub fn validate(&self) -> Result<(), SamplerError> {
+        check_temperature(self.temperature)?;
+        check_top_p(self.top_p)?;
+        check_min_p(self.min_p)?;
+        Ok(())
+    }
+}
+
 impl Default for SamplerConfig {
     fn default() -> Self {
         SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
@@ -56,14 +105,16 @@ impl Sampler {
         (r >> 40) as f32 / (1u64 << 24) as f32
     }
 
-    /// Picks the next token from `logits`.
+    /// Picks the next token from `logits`. Settings outside their ranges (see
+    /// [`SamplerConfig::validate`]) are clamped here so sampling never panics, but callers are
+    /// expected to refuse them first.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let c = self.cfg;
-        if c.temperature <= 0.0 || logits.is_empty() {
+        if c.temperature.is_nan() || c.temperature <= 0.0 || logits.is_empty() {
             return argmax(logits);
         }
-        let top_p = if c.top_p > 0.0 && c.top_p <= 1.0 { c.top_p } else { 1.0 };
-        let min_p = c.min_p.max(0.0);
+        let top_p = if c.top_p.is_nan() { 1.0 } else { c.top_p.clamp(0.0, 1.0) };
+        let min_p = if c.min_p.is_nan() { 0.0 } else { c.min_p.clamp(0.0, 1.0) };
 
         let mut cand = std::mem::take(&mut self.candidates);
         cand.clear();
@@ -164,5 +215,36 @@ mod tests {
         let n = 20000;
         let ones = (0..n).filter(|_| s.sample(&logits) == 1).count() as f32 / n as f32;
         assert!((ones - 0.731).abs() < 0.02, "{ones}");
+    }
+
+    /// Any f32 bit pattern: NaN, infinities, subnormals, negative zero and huge values included.
+    fn any_f32() -> impl proptest::strategy::Strategy<Value = f32> {
+        proptest::prelude::any::<u32>().prop_map(f32::from_bits)
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The checks accept exactly their documented ranges.
+        #[test]
+        fn checks_accept_exactly_their_ranges(t in any_f32(), p in any_f32(), m in any_f32()) {
+            prop_assert_eq!(check_temperature(t).is_ok(), t.is_finite() && t >= 0.0);
+            prop_assert_eq!(check_top_p(p).is_ok(), (0.0..=1.0).contains(&p));
+            prop_assert_eq!(check_min_p(m).is_ok(), (0.0..=1.0).contains(&m));
+            let cfg = SamplerConfig { temperature: t, top_k: 0, top_p: p, min_p: m, seed: 0 };
+            prop_assert_eq!(cfg.validate().is_ok(), check_temperature(t).is_ok() && check_top_p(p).is_ok()
+                && check_min_p(m).is_ok());
+        }
+
+        /// Whatever the settings and logits (NaN and infinite ones too), sampling returns an id
+        /// inside the vocabulary and never panics.
+        #[test]
+        fn sampling_never_panics(t in any_f32(), p in any_f32(), m in any_f32(), k in 0usize..1000,
+                                 seed in any::<u64>(), logits in proptest::collection::vec(any_f32(), 1..64)) {
+            let mut s = Sampler::new(SamplerConfig { temperature: t, top_k: k, top_p: p, min_p: m, seed });
+            for _ in 0..4 {
+                prop_assert!((s.sample(&logits) as usize) < logits.len());
+            }
+        }
     }
 }

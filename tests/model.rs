@@ -112,7 +112,7 @@ fn each_metadata_problem_is_named() {
             }),
         ),
         (
-            "architecture is 'llama'",
+            "architecture 'llama' is not deepseek4",
             Box::new(|k, v| Some(if k == "general.architecture" { Value::String("llama".into()) } else { v.clone() })),
         ),
         (

@@ -184,8 +184,19 @@ impl Config {
         let m = Meta { f };
         match f.get("general.architecture").and_then(|v| v.as_str()) {
             Some(ARCH) => {}
-            Some(other) => return Err(m.err(format!("architecture is '{other}', expected '{ARCH}'"))),
+            Some(other) => {
+                return Err(m.err(format!("architecture '{other}' is not {ARCH} (this runtime runs DeepSeek V4 Flash)")))
+            }
             None => return Err(m.err("missing metadata key 'general.architecture'")),
+        }
+        // A vocabulary-only file (what `ds4 tokenize` reads) has neither tensors nor a shape: say
+        // so rather than report the first missing shape key.
+        if f.tensors().is_empty() && f.get(&Meta::key("block_count")).is_none() {
+            return Err(m.err(if f.get("tokenizer.ggml.tokens").is_some() {
+                "this file is a tokenizer-only GGUF (a vocabulary, no weights): give a model file"
+            } else {
+                "this file has no tensors and no model shape: it is not a model"
+            }));
         }
         let n_layer = m.usize("block_count")?;
         let ratios = m.array("attention.compress_ratios")?;
@@ -284,6 +295,21 @@ impl Config {
         for (k, v) in nonzero {
             if v == 0 {
                 return Err(format!("{ARCH}.{k} must be positive"));
+            }
+        }
+        // Far above any real shape, and low enough that products of two sizes cannot overflow.
+        const MAX_DIM: usize = 1 << 24;
+        let bounded = nonzero.iter().copied().chain([
+            ("rope.dimension_count", c.n_rot),
+            ("hash_layer_count", c.n_hash_layer),
+            ("attention.indexer.head_count", c.n_indexer_head),
+            ("attention.indexer.key_length", c.indexer_head_dim),
+            ("attention.indexer.top_k", c.indexer_top_k),
+            ("hyper_connection.count", c.n_hc),
+        ]);
+        for (k, v) in bounded {
+            if v > MAX_DIM {
+                return Err(format!("{ARCH}.{k} is {v}, more than the largest supported {MAX_DIM}"));
             }
         }
         if c.compress_ratios.len() < c.n_layer {
