@@ -50,6 +50,11 @@ pub trait Executable {
     fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError>;
     /// Refills every state buffer with its initial value (a fresh context).
     fn reset(&mut self) -> Result<(), BackendError>;
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus written), measured now, where the
+    /// backend has device memory: the ceiling a weight-streaming token is compared with.
+    fn copy_bandwidth(&mut self) -> Option<f64> {
+        None
+    }
     /// Kernel launches (graph nodes) per token, where the backend launches kernels.
     fn nodes_per_token(&self) -> Option<usize> {
         None

@@ -291,6 +291,8 @@ pub struct File {
     meta_index: HashMap<String, usize>,
     tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// The length of the image whose header this is, when the tensor data is not here.
+    virtual_len: Option<u64>,
 }
 
 impl fmt::Debug for File {
@@ -322,10 +324,26 @@ impl File {
         Self::parse(name.into(), Storage::Owned(bytes))
     }
 
+    /// A header without its tensor data (from [`Writer::to_header_only`]): `total` is the length
+    /// the whole image would have. The tensors are described but hold no bytes here
+    /// ([`File::has_data`] is false); a backend that generates them itself can use it.
+    pub fn from_header(name: impl Into<String>, header: Vec<u8>, total: u64) -> Result<File, GgufError> {
+        Self::parse_with(name.into(), Storage::Owned(header), Some(total))
+    }
+
+    /// Whether the tensors' bytes are here (false for [`File::from_header`]).
+    pub fn has_data(&self) -> bool {
+        self.virtual_len.is_none()
+    }
+
     fn parse(name: String, storage: Storage) -> Result<File, GgufError> {
+        Self::parse_with(name, storage, None)
+    }
+
+    fn parse_with(name: String, storage: Storage, virtual_len: Option<u64>) -> Result<File, GgufError> {
         let parsed = {
             let mut r = Reader { b: storage.bytes(), pos: 0 };
-            parse_header(&mut r)
+            parse_header(&mut r, virtual_len)
         };
         match parsed {
             Ok(h) => Ok(File {
@@ -338,6 +356,7 @@ impl File {
                 metadata: h.metadata,
                 tensor_index: h.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect(),
                 tensors: h.tensors,
+                virtual_len,
             }),
             Err(problem) => Err(GgufError { file: name, problem }),
         }
@@ -367,9 +386,10 @@ impl File {
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
-    /// The data bytes of a tensor (bounds were checked at parse time).
+    /// The data bytes of a tensor (bounds were checked at parse time); empty for a header-only
+    /// file ([`File::has_data`]).
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        &self.storage.bytes()[t.offset as usize..(t.offset + t.bytes) as usize]
+        self.storage.bytes().get(t.offset as usize..(t.offset + t.bytes) as usize).unwrap_or(&[])
     }
 
     /// A string array from the metadata, e.g. `tokenizer.ggml.tokens`.
@@ -470,7 +490,7 @@ fn align_up(x: u64, a: u64) -> Option<u64> {
     x.checked_add(a - 1).map(|v| v / a * a)
 }
 
-fn parse_header(r: &mut Reader) -> Result<Header, GgufProblem> {
+fn parse_header(r: &mut Reader, virtual_len: Option<u64>) -> Result<Header, GgufProblem> {
     let magic: [u8; 4] = r.arr("magic")?;
     if &magic != MAGIC {
         return Err(GgufProblem::BadMagic(magic));
@@ -545,7 +565,7 @@ fn parse_header(r: &mut Reader) -> Result<Header, GgufProblem> {
     }
 
     let data_offset = align_up(r.pos, alignment).ok_or(GgufProblem::Overflow { what: "data offset".into() })?;
-    let len = r.len();
+    let len = virtual_len.unwrap_or(r.len());
     let mut tensors = Vec::with_capacity(raws.len());
     for t in raws {
         if t.rel % alignment != 0 {
@@ -611,6 +631,38 @@ impl Writer {
     pub fn tensor(&mut self, name: impl Into<String>, ty: GgmlType, dims: &[u64], data: Vec<u8>) -> &mut Self {
         self.tensors.push((name.into(), ty, dims.to_vec(), data));
         self
+    }
+
+    /// The header of the image that [`Writer::to_bytes`] would write, with every tensor's size
+    /// taken from its type and dims (the data may be left empty), and the image's total length.
+    /// [`File::from_header`] reads it back.
+    pub fn to_header_only(&self) -> (Vec<u8>, u64) {
+        let align = self.alignment.max(1);
+        let mut out = Vec::with_capacity(1 << 16);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
+        for (k, v) in &self.metadata {
+            write_string(&mut out, k);
+            out.extend_from_slice(&(v.value_type() as u32).to_le_bytes());
+            write_value(&mut out, v);
+        }
+        let mut rel = 0u64;
+        for (name, ty, dims, _) in &self.tensors {
+            write_string(&mut out, name);
+            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+            out.extend_from_slice(&(*ty as u32).to_le_bytes());
+            out.extend_from_slice(&rel.to_le_bytes());
+            let bytes = tensor_bytes(name, *ty, dims).unwrap_or(u64::MAX);
+            rel = align_up(rel.saturating_add(bytes), align).unwrap_or(u64::MAX);
+        }
+        let data_start = align_up(out.len() as u64, align).unwrap_or(u64::MAX);
+        out.resize(data_start as usize, 0);
+        (out, data_start.saturating_add(rel))
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {

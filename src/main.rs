@@ -118,7 +118,7 @@ struct ModelArgs {
     #[arg(short, long)]
     model: Option<PathBuf>,
     /// Synthesize a preset model in memory instead of reading a file.
-    #[arg(long, conflicts_with = "model", value_parser = ["tiny", "small", "flash-4l"])]
+    #[arg(long, conflicts_with = "model", value_parser = ["tiny", "small", "flash-4l", "flash"])]
     preset: Option<String>,
     /// Where to run: auto takes the first of cuda, wgpu, cpu that this build and machine offer.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
@@ -395,13 +395,24 @@ struct Loaded {
 }
 
 fn load(m: &ModelArgs) -> Result<Loaded> {
-    let (file, source) = if let Some(name) = &m.preset {
+    let (file, source, synthetic) = if let Some(name) = &m.preset {
         let preset =
-            Preset::by_name(name).with_context(|| format!("unknown preset '{name}' (tiny, small, flash-4l)"))?;
+            Preset::by_name(name).with_context(|| format!("unknown preset '{name}' (tiny, small, flash-4l, flash)"))?;
+        if name == "flash" {
+            // About 80 GB: drawn in device memory by the backend, never built on the host.
+            let model = synth::device_model(&preset, EMBEDDED_SEED)?;
+            let tokenizer = Tokenizer::from_gguf(&model.file)?;
+            let source = "synthetic 'flash' model (drawn in device memory)".to_string();
+            return Ok(Loaded { model, tokenizer, source, backend: String::new() });
+        }
         let bytes = synth::build(&preset, EMBEDDED_SEED);
+        // small and flash-4l also carry their recipe: a GPU draws the weights itself (the same
+        // bits), and a check against the CPU, which reads the host bytes, tests that drawing too.
+        let synthetic = (name != "tiny").then(|| synth::synthetic(&preset, EMBEDDED_SEED));
         (
             gguf::File::from_bytes(format!("synthetic {name} model"), bytes)?,
             format!("synthetic '{name}' model (in memory)"),
+            synthetic,
         )
     } else {
         let path = match &m.model {
@@ -410,20 +421,21 @@ fn load(m: &ModelArgs) -> Result<Loaded> {
             None => None,
         };
         match path {
-            Some(p) => (open_gguf(&p, "-m/--model")?, p.display().to_string()),
+            Some(p) => (open_gguf(&p, "-m/--model")?, p.display().to_string(), None),
             None => {
                 let bytes = synth::build(&Preset::tiny(), EMBEDDED_SEED);
                 eprintln!(
                     "ds4: no -m given and no ./{DEFAULT_MODEL}: running the embedded tiny synthetic model \
                      (random weights, byte-level stand-in tokenizer; its output is noise)"
                 );
-                (gguf::File::from_bytes("embedded tiny model", bytes)?, "embedded tiny synthetic model".to_string())
+                let file = gguf::File::from_bytes("embedded tiny model", bytes)?;
+                (file, "embedded tiny synthetic model".to_string(), None)
             }
         }
     };
     // The model first: a tokenizer-only file or another architecture is named as such, rather
     // than reported as a missing tokenizer key.
-    let model = Model::from_file(file)?;
+    let model = Model::from_file_synthetic(file, synthetic)?;
     let tokenizer = Tokenizer::from_gguf(&model.file)?;
     if tokenizer.vocab_size() != model.config.n_vocab {
         bail!(
@@ -942,6 +954,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     out!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
     out!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, ms_per_token);
     out!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
+    if let Some(copy) = session.executable().copy_bandwidth() {
+        let read = bytes * tps / 1e9;
+        out!(
+            "ceiling    a device copy moves {copy:.0} GB/s (read + write): the token reads at {:.1}% of it",
+            100.0 * read / copy
+        );
+    }
     if let Some(n) = session.executable().nodes_per_token() {
         out!("nodes      {n} kernel launches (graph nodes) per token");
     }

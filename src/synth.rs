@@ -133,6 +133,7 @@ impl Preset {
             "tiny" => Some(Self::tiny()),
             "small" => Some(Self::small()),
             "flash-4l" => Some(Self::flash_4l()),
+            "flash" => Some(Self::flash()),
             _ => None,
         }
     }
@@ -216,23 +217,95 @@ fn random_data(rng: &mut Rng, ty: GgmlType, elements: usize, std: f32) -> Vec<u8
     out
 }
 
+/// How a tensor's values are drawn. Every draw comes from a splitmix64 stream keyed by the seed
+/// and the tensor's name, so a tensor can be generated alone, on the host or on a GPU
+/// (`kernels/synth.cu` follows [`tensor_data`] draw for draw).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fill {
+    /// Random values (or raw blocks) with element scale about `std`.
+    Random { std: f32 },
+    /// F32: `center + uniform * spread`.
+    Around { center: f32, spread: f32 },
+    /// I32 `[n_used, n_vocab]`: each token's row names `n_used` consecutive experts from a random start.
+    Hash { n_expert: u32 },
+}
+
+/// One tensor of a preset: name, type, dims and how its values are drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    pub name: String,
+    pub ty: GgmlType,
+    pub dims: Vec<u64>,
+    pub fill: Fill,
+}
+
+/// A model whose tensors are drawn by [`Fill`]s: what a backend needs to generate the weights
+/// itself instead of copying them (`--preset flash` exists only in device memory).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Synthetic {
+    pub seed: u64,
+    pub fills: std::collections::HashMap<String, Fill>,
+}
+
+impl Synthetic {
+    /// The generator's start state for `name` (see [`Fill`]).
+    pub fn rng_state(&self, name: &str) -> u64 {
+        Rng::new(self.seed, name).0
+    }
+}
+
+/// The constants of the [`Fill::Random`] draws for `ty`: the uniform's half-width `a` and the f16
+/// block scales (d, dmin), as [`tensor_data`] computes them.
+pub fn random_constants(ty: GgmlType, std: f32) -> (f32, u16, u16) {
+    let h = |x: f32| quant::f32_to_f16(x);
+    match ty {
+        GgmlType::Q8_0 => (0.0, h(std / 73.0), 0),
+        GgmlType::IQ2_XXS => (0.0, h(std / 50.0), 0),
+        GgmlType::Q2_K => (0.0, h(std / 6.0), h(std / 12.0)),
+        GgmlType::Q4_K => (0.0, h(std / 80.0), h(std / 160.0)),
+        _ => (std * 3f32.sqrt(), 0, 0),
+    }
+}
+
+/// A tensor's bytes, drawn on the host.
+pub fn tensor_data(spec: &Spec, seed: u64) -> Vec<u8> {
+    let mut rng = Rng::new(seed, &spec.name);
+    let n: usize = spec.dims.iter().product::<u64>() as usize;
+    match spec.fill {
+        Fill::Random { std } => random_data(&mut rng, spec.ty, n, std),
+        Fill::Around { center, spread } => {
+            (0..n).flat_map(|_| (center + rng.uniform() * spread).to_le_bytes()).collect()
+        }
+        Fill::Hash { n_expert } => {
+            let (n_used, n_vocab) = (spec.dims[0] as usize, spec.dims[1] as usize);
+            let mut data = Vec::with_capacity(n_vocab * n_used * 4);
+            for _ in 0..n_vocab {
+                let start = (rng.next() % n_expert as u64) as usize;
+                for k in 0..n_used {
+                    data.extend_from_slice(&(((start + k) % n_expert as usize) as i32).to_le_bytes());
+                }
+            }
+            data
+        }
+    }
+}
+
+#[derive(Default)]
 struct Builder {
-    w: Writer,
-    seed: u64,
+    specs: Vec<Spec>,
 }
 
 impl Builder {
+    fn add(&mut self, name: &str, ty: GgmlType, dims: &[usize], fill: Fill) {
+        let dims = dims.iter().map(|&d| d as u64).collect();
+        self.specs.push(Spec { name: name.to_string(), ty, dims, fill });
+    }
     fn random(&mut self, name: &str, ty: GgmlType, dims: &[usize], std: f32) {
-        let mut rng = Rng::new(self.seed, name);
-        let n: usize = dims.iter().product();
-        let dims64: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-        self.w.tensor(name, ty, &dims64, random_data(&mut rng, ty, n, std));
+        self.add(name, ty, dims, Fill::Random { std });
     }
     /// An F32 vector around `center`.
     fn around(&mut self, name: &str, n: usize, center: f32, spread: f32) {
-        let mut rng = Rng::new(self.seed, name);
-        let data = (0..n).flat_map(|_| (center + rng.uniform() * spread).to_le_bytes()).collect();
-        self.w.tensor(name, GgmlType::F32, &[n as u64], data);
+        self.add(name, GgmlType::F32, &[n], Fill::Around { center, spread });
     }
     /// A matrix `[in, out]` that maps unit-size inputs to unit-size outputs.
     fn matrix(&mut self, name: &str, ty: GgmlType, n_in: usize, n_out: usize) {
@@ -294,8 +367,9 @@ pub fn metadata(p: &Preset) -> Writer {
 }
 
 /// Writes a complete GGUF image of the preset's shape.
-pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
-    let mut b = Builder { w: metadata(p), seed };
+/// The tensors of a preset, in file order.
+pub fn specs(p: &Preset) -> Vec<Spec> {
+    let mut b = Builder::default();
 
     let (e, hc, mix) = (p.n_embd, 4 * p.n_embd, 8 + 16);
     let q_dim = p.n_head * p.head_dim;
@@ -348,19 +422,40 @@ pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
         b.matrix(&n("ffn_up_shexp.weight"), GgmlType::Q8_0, e, p.n_ff_exp);
         b.matrix(&n("ffn_down_shexp.weight"), GgmlType::Q8_0, p.n_ff_exp, e);
         if il < p.n_hash_layer {
-            // Each token's row names n_used distinct experts.
-            let mut rng = Rng::new(seed, &n("ffn_gate_tid2eid.weight"));
-            let mut data = Vec::with_capacity(p.n_vocab * p.n_expert_used * 4);
-            for _ in 0..p.n_vocab {
-                let start = (rng.next() % p.n_expert as u64) as usize;
-                for k in 0..p.n_expert_used {
-                    data.extend_from_slice(&(((start + k) % p.n_expert) as i32).to_le_bytes());
-                }
-            }
-            b.w.tensor(n("ffn_gate_tid2eid.weight"), GgmlType::I32, &[p.n_expert_used as u64, p.n_vocab as u64], data);
+            let dims = [p.n_expert_used, p.n_vocab];
+            b.add(&n("ffn_gate_tid2eid.weight"), GgmlType::I32, &dims, Fill::Hash { n_expert: p.n_expert as u32 });
         } else {
             b.around(&n("exp_probs_b.bias"), p.n_expert, 0.0, 0.1);
         }
     }
-    b.w.to_bytes()
+    b.specs
+}
+
+/// A preset as a GGUF image, every tensor drawn on the host.
+pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
+    let mut w = metadata(p);
+    for spec in specs(p) {
+        let data = tensor_data(&spec, seed);
+        w.tensor(spec.name, spec.ty, &spec.dims, data);
+    }
+    w.to_bytes()
+}
+
+/// The recipe of a preset's tensors, for a backend that generates them itself.
+pub fn synthetic(p: &Preset, seed: u64) -> Synthetic {
+    Synthetic { seed, fills: specs(p).into_iter().map(|s| (s.name, s.fill)).collect() }
+}
+
+/// A preset's model with no tensor data on the host: the GGUF header only, and the recipe that
+/// lets a GPU backend draw every weight in its own memory (the 43-layer Flash shape is about
+/// 80 GB). Backends that need the bytes on the host refuse it.
+pub fn device_model(p: &Preset, seed: u64) -> Result<std::sync::Arc<crate::model::Model>, crate::model::ModelError> {
+    let mut w = metadata(p);
+    let specs = specs(p);
+    for spec in &specs {
+        w.tensor(spec.name.clone(), spec.ty, &spec.dims, Vec::new());
+    }
+    let (header, total) = w.to_header_only();
+    let file = gguf::File::from_header(format!("synthetic {} model (device memory only)", p.name), header, total)?;
+    crate::model::Model::from_file_synthetic(file, Some(synthetic(p, seed)))
 }

@@ -269,3 +269,24 @@ fn synth_presets_load_and_tiny_has_tiny_a_shape() {
     assert!(small.config.n_embd >= 1024 && small.config.n_expert >= 16 && small.config.n_layer >= 3);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A device-only preset has the same tensor table as the host-built image, and a recipe for every
+/// tensor; a backend that needs host bytes refuses it with a message that says where it runs.
+#[test]
+fn device_only_presets_describe_the_same_tensors_as_the_host_build() {
+    for preset in [Preset::tiny(), Preset::small()] {
+        let host = File::from_bytes("host", synth::build(&preset, 4)).unwrap();
+        let model = synth::device_model(&preset, 4).unwrap();
+        assert!(!model.file.has_data() && host.has_data());
+        assert_eq!(model.file.tensors(), host.tensors(), "{}", preset.name);
+        let syn = model.synthetic.as_ref().unwrap();
+        for t in host.tensors() {
+            let fill = syn.fills.get(&t.name).unwrap_or_else(|| panic!("no recipe for {}", t.name));
+            let spec = synth::Spec { name: t.name.clone(), ty: t.ty, dims: t.dims.clone(), fill: *fill };
+            assert_eq!(synth::tensor_data(&spec, 4), host.tensor_data(t), "{}", t.name);
+        }
+        let cpu = ds4::backends::cpu::CpuBackend::new(1).unwrap();
+        let e = ds4::session::Session::new(model, &cpu, 16).err().unwrap().to_string();
+        assert!(e.contains("no weights in host memory") && e.contains("--backend cuda"), "{e}");
+    }
+}

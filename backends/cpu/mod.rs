@@ -45,6 +45,15 @@ impl Backend for CpuBackend {
     }
 
     fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
+        if !model.file.has_data() {
+            return Err(BackendError::new(
+                "cpu",
+                format!(
+                    "{} has no weights in host memory; it runs on --backend cuda, which draws them",
+                    model.file.name()
+                ),
+            ));
+        }
         for t in program.weights() {
             if !t.ty.is_supported() {
                 return Err(BackendError::new("cpu", format!("tensor '{}' has unsupported type {:?}", t.name, t.ty)));

@@ -144,6 +144,7 @@ kernel_args! {
     "moe_down" => MoeDownArgs { midq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", down: Ptr = "const u8*", out: Ptr = "float*", grid: Ptr = "const u64*", down_ty: u32 = "u32", ff: u32 = "u32", out_dim: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", _pad: u32 = "u32" }
     "swiglu" => SwiGluArgs { gate: Ptr = "const float*", up: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", clamp: f32 = "float" }
     "add" => AddArgs { a: Ptr = "const float*", b: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
+    "synth_fill" => SynthFillArgs { out: Ptr = "u8*", state: u64 = "u64", n: u64 = "u64", ty: u32 = "u32", kind: u32 = "u32", a: f32 = "float", center: f32 = "float", spread: f32 = "float", d: u32 = "u32", dmin: u32 = "u32", n_expert: u32 = "u32", n_used: u32 = "u32", repack: u32 = "u32" }
     "fill" => FillArgs { x: Ptr = "u32*", n: u64 = "u64", v: u32 = "u32", _pad: u32 = "u32" }
 }
 

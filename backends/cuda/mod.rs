@@ -63,7 +63,7 @@ mod imp {
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
 
     /// Kernel sources, compiled together as one NVRTC program.
-    const SOURCES: [&str; 10] = [
+    const SOURCES: [&str; 11] = [
         include_str!("../../kernels/common.cuh"),
         include_str!("../../kernels/norm.cu"),
         include_str!("../../kernels/matvec.cu"),
@@ -74,6 +74,7 @@ mod imp {
         include_str!("../../kernels/attention.cu"),
         include_str!("../../kernels/moe.cu"),
         include_str!("../../kernels/elementwise.cu"),
+        include_str!("../../kernels/synth.cu"),
     ];
 
     const ALIGN: usize = 256;
@@ -158,6 +159,79 @@ mod imp {
 
     /// NVRTC flags of the canonical profile (see `compile_kernels`), part of the cache key.
     const COMPILE_FLAGS: (bool, bool, bool, bool) = (false, true, true, false);
+
+    /// Draws a synthetic weight in device memory (kernels/synth.cu), as `synth::tensor_data`
+    /// would on the host; Q8_0 straight into the repacked layout.
+    fn generate(
+        stream: &Arc<CudaStream>,
+        func: &CudaFunction,
+        t: &crate::gguf::TensorInfo,
+        state: u64,
+        fill: crate::synth::Fill,
+    ) -> Result<CudaSlice<u8>, BackendError> {
+        use crate::quant::GgmlType;
+        use crate::synth::Fill;
+        let d = stream.alloc_zeros::<u8>(t.bytes as usize).map_err(drv(&format!("cannot allocate '{}'", t.name)))?;
+        let (kind, n, a_, center, spread, dq, dmin, n_expert, n_used) = match fill {
+            Fill::Random { std } => {
+                let (a_, dq, dmin) = crate::synth::random_constants(t.ty, std);
+                let n = match t.ty {
+                    GgmlType::F32 | GgmlType::F16 => t.elements(),
+                    GgmlType::Q8_0 | GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K => {
+                        t.elements() / t.ty.block_elems() as u64
+                    }
+                    other => return Err(err(format!("synthetic '{}': cannot draw {other:?} values", t.name))),
+                };
+                (0, n, a_, 0.0, 0.0, dq as u32, dmin as u32, 0, 0)
+            }
+            Fill::Around { center, spread } => (1, t.elements(), 0.0, center, spread, 0, 0, 0, 0),
+            Fill::Hash { n_expert } => (2, t.dim(1), 0.0, 0.0, 0.0, 0, 0, n_expert, t.dim(0) as u32),
+        };
+        let a = args::SynthFillArgs {
+            out: Ptr(d.device_ptr(stream).0),
+            state,
+            n,
+            ty: t.ty as u32,
+            kind,
+            a: a_,
+            center,
+            spread,
+            d: dq,
+            dmin,
+            n_expert,
+            n_used,
+            repack: (t.ty == GgmlType::Q8_0) as u32,
+        };
+        let (words, _) = args::encode(&a);
+        let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+        launch_with(stream, func, 0, grid, 256, 0, &words).map_err(drv(&format!("cannot generate '{}'", t.name)))?;
+        Ok(d)
+    }
+
+    /// Launches `func(P, cond, args)`: `args` is the kernel's argument struct as words.
+    fn launch_with(
+        stream: &CudaStream,
+        func: &CudaFunction,
+        params: u64,
+        grid: u32,
+        block: u32,
+        cond: u64,
+        args: &[u64],
+    ) -> Result<(), result::DriverError> {
+        let mut p = params;
+        let mut c = cond;
+        let mut a = args.to_vec();
+        let mut ptrs: Vec<*mut c_void> =
+            vec![&mut p as *mut u64 as *mut c_void, &mut c as *mut u64 as *mut c_void, a.as_mut_ptr() as *mut c_void];
+        // SAFETY: the kernel's parameters are (const StepParams*, u64, XArgs); `a` holds the
+        // bytes of XArgs (the struct args.rs declares and the kernel source is generated from),
+        // and the driver copies all three before returning. Every pointer inside `a` is inside an
+        // allocation the caller owns; a null `params` is only given with `cond` 0 (always run),
+        // which never reads it.
+        unsafe {
+            result::launch_kernel(func.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream.cu_stream(), &mut ptrs)
+        }
+    }
 
     /// Q8_0 blocks as the kernels read them: all quants first (32 bytes per block, so a block is
     /// two 16-byte loads), then all the f16 scales. GGUF's 34-byte blocks are only 2-byte aligned.
@@ -303,7 +377,19 @@ mod imp {
             }
             let mut weights = Vec::with_capacity(program.weights().len());
             let mut weight_ptrs = Vec::with_capacity(program.weights().len());
+            let synth_fill = module.load_function("synth_fill").map_err(drv("kernel 'synth_fill' is missing"))?;
+            let synthetic = model.synthetic.as_ref();
             for t in program.weights() {
+                // A synthetic preset's weights are drawn in device memory, not copied.
+                if let Some((syn, fill)) = synthetic.and_then(|s| s.fills.get(&t.name).map(|f| (s, *f))) {
+                    let d = generate(&stream, &synth_fill, t, syn.rng_state(&t.name), fill)?;
+                    weight_ptrs.push(d.device_ptr(&stream).0);
+                    weights.push(d);
+                    continue;
+                }
+                if !model.file.has_data() {
+                    return Err(err(format!("tensor '{}' has neither host data nor a recipe", t.name)));
+                }
                 let data = model.data(t);
                 let repacked;
                 let bytes = if t.ty == crate::quant::GgmlType::Q8_0 {
@@ -423,7 +509,7 @@ mod imp {
             self.launch_raw(&l.func, l.grid, l.block, l.cond, &l.args)
         }
 
-        /// Launches `func(P, cond, args)`: `args` is the kernel's argument struct as words.
+        /// Launches `func(P, cond, args)` on this executable's stream and step parameters.
         fn launch_raw(
             &self,
             func: &CudaFunction,
@@ -432,28 +518,7 @@ mod imp {
             cond: u64,
             args: &[u64],
         ) -> Result<(), result::DriverError> {
-            let mut p = self.params.device_ptr(&self.stream).0;
-            let mut c = cond;
-            let mut a = args.to_vec();
-            let mut ptrs: Vec<*mut c_void> = vec![
-                &mut p as *mut u64 as *mut c_void,
-                &mut c as *mut u64 as *mut c_void,
-                a.as_mut_ptr() as *mut c_void,
-            ];
-            // SAFETY: the kernel's parameters are (const StepParams*, u64, XArgs); `a` holds the
-            // bytes of XArgs (the struct args.rs declares and the kernel source is generated
-            // from), and the driver copies all three before returning. Every pointer inside
-            // `a` is inside an allocation this executable owns.
-            unsafe {
-                result::launch_kernel(
-                    func.cu_function(),
-                    (grid, 1, 1),
-                    (block, 1, 1),
-                    0,
-                    self.stream.cu_stream(),
-                    &mut ptrs,
-                )
-            }
+            launch_with(&self.stream, func, self.params.device_ptr(&self.stream).0, grid, block, cond, args)
         }
 
         fn capture(&self) -> Result<CudaGraph, result::DriverError> {
@@ -576,6 +641,25 @@ mod imp {
             unsafe { result::memcpy_htod_async(self.buf_ptr(buf), &raw, self.stream.cu_stream()) }
                 .map_err(drv("cannot write a buffer"))?;
             self.stream.synchronize().map_err(drv("cannot write a buffer"))
+        }
+
+        fn copy_bandwidth(&mut self) -> Option<f64> {
+            // 1 GiB copied device to device 10 times, timed by events: read + write bytes per second.
+            const BYTES: usize = 1 << 30;
+            let a = self.stream.alloc_zeros::<u8>(BYTES).ok()?;
+            let mut b = self.stream.alloc_zeros::<u8>(BYTES).ok()?;
+            let ctx = self.stream.context().clone();
+            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            self.stream.memcpy_dtod(&a, &mut b).ok()?;
+            let (e0, e1) = (ctx.new_event(timing).ok()?, ctx.new_event(timing).ok()?);
+            e0.record(&self.stream).ok()?;
+            for _ in 0..10 {
+                self.stream.memcpy_dtod(&a, &mut b).ok()?;
+            }
+            e1.record(&self.stream).ok()?;
+            self.stream.synchronize().ok()?;
+            let ms = e0.elapsed_ms(&e1).ok()? as f64;
+            Some(2.0 * 10.0 * BYTES as f64 / (ms * 1e-3) / 1e9)
         }
 
         fn nodes_per_token(&self) -> Option<usize> {

@@ -27,6 +27,10 @@ pub struct Model {
     pub file: gguf::File,
     pub config: Config,
     pub weights: Weights,
+    /// How the weights are drawn, for synthetic presets: a GPU backend generates them in its own
+    /// memory instead of copying them. Without host data (`file.has_data()` false) it is the only
+    /// way to get them.
+    pub synthetic: Option<crate::synth::Synthetic>,
 }
 
 impl Model {
@@ -35,9 +39,17 @@ impl Model {
     }
 
     pub fn from_file(file: gguf::File) -> Result<Arc<Model>, ModelError> {
+        Self::from_file_synthetic(file, None)
+    }
+
+    /// A model with the recipe of its synthetic weights (see [`Model::synthetic`]).
+    pub fn from_file_synthetic(
+        file: gguf::File,
+        synthetic: Option<crate::synth::Synthetic>,
+    ) -> Result<Arc<Model>, ModelError> {
         let config = Config::from_gguf(&file)?;
         let weights = Weights::bind(&file, &config)?;
-        Ok(Arc::new(Model { file, config, weights }))
+        Ok(Arc::new(Model { file, config, weights, synthetic }))
     }
 
     /// The bytes of a bound tensor.
