@@ -2,7 +2,7 @@
 // (src/numerics.rs): chunks of 512 terms (F16: 8 per lane step, F32: 4) or 32 blocks (Q8_0: one
 // block per lane), each chunk reduced by the butterfly, chunk sums added in order from +0.
 // Rows of group g read x[g*in_dim ..]. One warp per row; narrow matrices split the row's chunks
-// over warps (split-K) and add the chunk sums in a second launch, which gives the same bits.
+// over warps (split-K); the last block adds the chunk sums in order, which gives the same bits.
 
 // One warp per 32-block: d = amax/127, q = round-half-even(x * (1/d)), as ds4.
 extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
@@ -96,27 +96,33 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
     if (lane == 0) a.out[r] = total;
 }
 
-// Split-K: one warp per (row, chunk); partial[r * n_chunks + c] is the chunk's sum.
+// Split-K: one warp per (row, chunk); partial[r * n_chunks + c] is the chunk's sum. The last
+// block to finish (a ticket counter, reset by that block for the next launch) adds each row's
+// chunk sums in order from +0: the same bits as one warp doing the whole row.
 extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs a) {
     DS4_GUARD;
+    __shared__ bool last;
     const u32 lane = threadIdx.x & 31;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (wid >= a.rows * a.n_chunks) return;
-    const u32 r = wid / a.n_chunks, c = (wid % a.n_chunks) * DS4_CHUNK;
-    const u16* row = a.w + (u64)r * a.in_dim;
-    const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
-    const float s = warp_sum(chunk_dot_f16(row + c, xg + c, a.in_dim - c, lane));
-    if (lane == 0) a.partial[wid] = s;
-}
-
-// out[r] = 0 + partial[r][0] + partial[r][1] + ... (the chunk sums in order).
-extern "C" __global__ void sum_chunks(DS4_ARGS, const SumChunksArgs a) {
-    DS4_GUARD;
-    const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= a.rows) return;
-    float total = 0.0f;
-    for (u32 c = 0; c < a.n_chunks; c++) total += a.partial[(u64)r * a.n_chunks + c];
-    a.out[r] = total;
+    if (wid < a.rows * a.n_chunks) {
+        const u32 r = wid / a.n_chunks, c = (wid % a.n_chunks) * DS4_CHUNK;
+        const u16* row = a.w + (u64)r * a.in_dim;
+        const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
+        const float s = warp_sum(chunk_dot_f16(row + c, xg + c, a.in_dim - c, lane));
+        if (lane == 0) a.partial[wid] = s;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (u32 r = threadIdx.x; r < a.rows; r += blockDim.x) {
+        float total = 0.0f;
+        for (u32 c = 0; c < a.n_chunks; c++) total += __ldcg(a.partial + (u64)r * a.n_chunks + c);
+        a.out[r] = total;
+    }
+    if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
 }
 
 // One warp per row of an F32 matrix (4 terms per lane step).

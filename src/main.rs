@@ -945,7 +945,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     for w in session.take_warnings() {
         eprintln!("ds4: {w}");
     }
-    let bytes = loaded.model.weights.decode_bytes_per_token(cfg) as f64;
+    // The indexer's weights count once a ratio-4 layer has more than top_k compressed rows.
+    let indexer_active = (session.pos() + 1) / 4 > cfg.indexer_top_k;
+    let bytes = loaded.model.weights.decode_bytes_at(cfg, indexer_active) as f64;
     let tps = rate(a.tokens, decode_time);
     let ms_per_token = 1e3 * decode_time.as_secs_f64() / a.tokens as f64;
     out!("model      {}", loaded.source);
@@ -953,7 +955,12 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     out!("load       {:.3} s", load_time.as_secs_f64());
     out!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
     out!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, ms_per_token);
-    out!("weights    {:.1} MB read per token, {:.2} GB/s effective", bytes / 1e6, bytes * tps / 1e9);
+    out!(
+        "weights    {:.1} MB read per token{}, {:.2} GB/s effective",
+        bytes / 1e6,
+        if indexer_active { " (indexer active)" } else { " (indexer not active yet)" },
+        bytes * tps / 1e9
+    );
     if let Some(copy) = session.executable().copy_bandwidth() {
         let read = bytes * tps / 1e9;
         out!(

@@ -120,8 +120,7 @@ kernel_args! {
     "quantize_q8_0" => QuantizeQ80Args { x: Ptr = "const float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_q8_0" => MatVecQ80Args { w: Ptr = "const u8*", xq: Ptr = "const i8*", xd: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_f16" => MatVecF16Args { w: Ptr = "const u16*", x: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
-    "mat_vec_f16_split" => MatVecF16SplitArgs { w: Ptr = "const u16*", x: Ptr = "const float*", partial: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", n_chunks: u32 = "u32" }
-    "sum_chunks" => SumChunksArgs { partial: Ptr = "const float*", out: Ptr = "float*", rows: u32 = "u32", n_chunks: u32 = "u32" }
+    "mat_vec_f16_split" => MatVecF16SplitArgs { w: Ptr = "const u16*", x: Ptr = "const float*", partial: Ptr = "float*", tickets: Ptr = "u32*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", n_chunks: u32 = "u32", ticket: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_f32" => MatVecF32Args { w: Ptr = "const float*", x: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
     "hc_split" => HcSplitArgs { mix: Ptr = "const float*", scale: Ptr = "const float*", base: Ptr = "const float*", split: Ptr = "float*", n_hc: u32 = "u32", iters: u32 = "u32", eps: f32 = "float", _pad: u32 = "u32" }
     "hc_weighted_sum" => HcWeightedSumArgs { hc: Ptr = "const float*", weights: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", n_hc: u32 = "u32" }

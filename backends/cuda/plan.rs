@@ -20,9 +20,11 @@ pub enum Scratch {
     Scores,
     Taken,
     Partial,
+    /// One u32 ticket per split-K launch: the last block to finish adds the chunk sums.
+    Tickets,
 }
 
-pub const SCRATCH_KINDS: [Scratch; 8] = [
+pub const SCRATCH_KINDS: [Scratch; 9] = [
     Scratch::Q8Qs,
     Scratch::Q8D,
     Scratch::Q8KX,
@@ -31,6 +33,7 @@ pub const SCRATCH_KINDS: [Scratch; 8] = [
     Scratch::Scores,
     Scratch::Taken,
     Scratch::Partial,
+    Scratch::Tickets,
 ];
 
 impl Scratch {
@@ -85,6 +88,10 @@ struct Builder<'a> {
     cond: u64,
     op: usize,
     ropes: Vec<(RopeParams, u32)>,
+    /// The buffer whose Q8_0 quantization is in the scratch now, and the predicate it ran under.
+    q8_of: Option<(Buf, u64)>,
+    /// Split-K launches so far (each takes its own ticket).
+    tickets: u32,
 }
 
 fn b(x: Buf) -> Ptr {
@@ -137,12 +144,23 @@ impl Builder<'_> {
         let (in_u, rows_u) = (in_dim as u32, rows as u32);
         match t.ty {
             GgmlType::Q8_0 => {
-                let n = self.len(x);
-                self.need(Scratch::Q8Qs, n);
-                self.need(Scratch::Q8D, n / 32 * 4);
-                let a =
-                    QuantizeQ80Args { x: b(x), xq: Scratch::Q8Qs.ptr(), xd: Scratch::Q8D.ptr(), n: n as u32, _pad: 0 };
-                self.launch(blocks(n / 32, 8), 256, a);
+                // Consecutive matvecs of one input (q_a and kv, shared gate and up) quantize it once,
+                // if nothing wrote it since and the quantization ran whenever this op runs.
+                let fresh = matches!(self.q8_of, Some((q, c)) if q == x && (c == 0 || c == self.cond));
+                if !fresh {
+                    let n = self.len(x);
+                    self.need(Scratch::Q8Qs, n);
+                    self.need(Scratch::Q8D, n / 32 * 4);
+                    let a = QuantizeQ80Args {
+                        x: b(x),
+                        xq: Scratch::Q8Qs.ptr(),
+                        xd: Scratch::Q8D.ptr(),
+                        n: n as u32,
+                        _pad: 0,
+                    };
+                    self.launch(blocks(n / 32, 8), 256, a);
+                    self.q8_of = Some((x, self.cond));
+                }
                 let a = MatVecQ80Args {
                     w: w(wt),
                     xq: Scratch::Q8Qs.ptr(),
@@ -162,23 +180,22 @@ impl Builder<'_> {
                 let n_chunks = in_dim.div_ceil(numerics::CHUNK);
                 if rows < SPLIT_K_ROWS && n_chunks > 1 {
                     self.need(Scratch::Partial, rows * n_chunks * 4);
+                    self.tickets += 1;
+                    self.need(Scratch::Tickets, self.tickets as usize * 4);
                     let a = MatVecF16SplitArgs {
                         w: w(wt),
                         x: b(x),
                         partial: Scratch::Partial.ptr(),
+                        tickets: Scratch::Tickets.ptr(),
+                        out: b(out),
                         in_dim: in_u,
                         rows: rows_u,
                         rows_per_group,
                         n_chunks: n_chunks as u32,
+                        ticket: self.tickets - 1,
+                        _pad: 0,
                     };
                     self.launch(blocks(rows * n_chunks, 8), 256, a);
-                    let a = SumChunksArgs {
-                        partial: Scratch::Partial.ptr(),
-                        out: b(out),
-                        rows: rows_u,
-                        n_chunks: n_chunks as u32,
-                    };
-                    self.launch(blocks(rows, 128), 128, a);
                 } else {
                     let a = MatVecF16Args {
                         w: w(wt),
@@ -498,10 +515,22 @@ fn comp_ratio(b: crate::recorder::Bound) -> Result<u32, String> {
 
 /// Plans every op of `program`, in order.
 pub fn plan(program: &Program) -> Result<Plan, String> {
-    let mut b = Builder { program, launches: Vec::new(), need: Vec::new(), cond: 0, op: 0, ropes: Vec::new() };
+    let mut b = Builder {
+        program,
+        launches: Vec::new(),
+        need: Vec::new(),
+        cond: 0,
+        op: 0,
+        ropes: Vec::new(),
+        q8_of: None,
+        tickets: 0,
+    };
     for (i, step) in program.steps().iter().enumerate() {
         b.op = i;
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
+        if b.q8_of.is_some_and(|(q, _)| step.op.writes().contains(&q)) {
+            b.q8_of = None;
+        }
     }
     Ok(Plan { launches: b.launches, scratch: b.need, ropes: b.ropes })
 }

@@ -286,8 +286,18 @@ impl Weights {
     /// Weight bytes one decode token reads: every dense weight, one embedding row, one hash-table
     /// row per hash layer, and `n_expert_used` of the `n_expert` routed experts per layer.
     pub fn decode_bytes_per_token(&self, cfg: &Config) -> u64 {
+        self.decode_bytes_at(cfg, true)
+    }
+
+    /// Weight bytes one decode token reads; the indexer's query and projection weights count only
+    /// when `indexer_active` (a layer has more than `top_k` compressed rows: position 4·top_k on).
+    pub fn decode_bytes_at(&self, cfg: &Config, indexer_active: bool) -> u64 {
         let mut total = 0u64;
         for t in self.all() {
+            let indexer_query = t.name.ends_with("indexer.attn_q_b.weight") || t.name.ends_with("indexer.proj.weight");
+            if indexer_query && !indexer_active {
+                continue;
+            }
             let is_expert = t.dims.len() == 3;
             let is_row_table = std::ptr::eq(t, &self.token_embd) || t.name.ends_with("ffn_gate_tid2eid.weight");
             total += if is_expert {

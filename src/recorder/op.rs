@@ -106,6 +106,34 @@ pub enum Op {
 }
 
 impl Op {
+    /// The buffers the op writes (in place or not). Plans use it to know when a value derived
+    /// from a buffer (a quantized copy, say) goes stale.
+    pub fn writes(&self) -> Vec<Buf> {
+        match *self {
+            Op::EmbedHc { out, .. }
+            | Op::RmsNorm { out, .. }
+            | Op::MatVec { out, .. }
+            | Op::MatVecGrouped { out, .. }
+            | Op::HcWeightedSum { out, .. }
+            | Op::HcPost { out, .. }
+            | Op::HcHeadWeights { out, .. }
+            | Op::CompressorPool { out, .. }
+            | Op::IndexerScores { out, .. }
+            | Op::IndexerTopK { out, .. }
+            | Op::Attention { out, .. }
+            | Op::MoeExperts { out, .. }
+            | Op::SwiGlu { out, .. }
+            | Op::Add { out, .. } => vec![out],
+            Op::HcSplit { split, .. } => vec![split],
+            Op::RopeTail { x, .. } | Op::Fp8RoundTrip { x, .. } | Op::IndexerQat { x, .. } => vec![x],
+            Op::StoreRaw { cache, .. } | Op::StoreCompRow { cache, .. } => vec![cache],
+            Op::CompressorStore { state_kv, state_score, .. } | Op::CompressorShift { state_kv, state_score, .. } => {
+                vec![state_kv, state_score]
+            }
+            Op::RouterSelect { selected, weights, .. } => vec![selected, weights],
+        }
+    }
+
     /// The op's name, shared by the CPU function, the WGSL entry point and the CUDA kernel.
     pub fn name(&self) -> &'static str {
         match self {
