@@ -1,5 +1,5 @@
-// RmsNorm in the canonical order: one block of 256 threads per row; warp w sums the chunks
-// w, w + 8, ... (512 terms each, 4 per lane step) and the chunk sums add in order.
+// RmsNorm in the canonical order: one block per row; warp w sums the chunks w, w + warps, ...
+// (512 terms each, 4 per lane step) and the chunk sums add in order, whatever the block size.
 // mean = ss / n, scale = 1 / sqrt(mean + eps), out = (x * scale) * w. `out` may alias `x`.
 #define NORM_MAX_CHUNKS 64
 extern "C" __global__ void rms_norm(DS4_ARGS, const RmsNormArgs a) {
@@ -24,6 +24,21 @@ extern "C" __global__ void rms_norm(DS4_ARGS, const RmsNormArgs a) {
     }
     __syncthreads();
     const float scale = scale_sh;
+    if (a.xq) {
+        // Also quantize the output to Q8_0 per 32, exactly as quantize_q8_0 would: a warp per block.
+        for (u32 blk = warp; blk < n / 32; blk += nw) {
+            const u32 i = blk * 32 + lane;
+            const float v = xr[i] * scale;
+            const float o = a.w ? v * a.w[i] : v;
+            orow[i] = o;
+            const float amax = warp_max(fabsf(o));
+            const float d = amax / 127.0f;
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            a.xq[i] = (i8)max(-128, min(127, (int)rintf(o * id)));
+            if (lane == 0) a.xd[blk] = d;
+        }
+        return;
+    }
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = xr[i] * scale;
         orow[i] = a.w ? v * a.w[i] : v;

@@ -116,7 +116,7 @@ macro_rules! kernel_args {
 
 kernel_args! {
     "embed_hc" => EmbedHcArgs { table: Ptr = "const void*", out: Ptr = "float*", n_embd: u32 = "u32", n_hc: u32 = "u32", is_f16: u32 = "u32", _pad: u32 = "u32" }
-    "rms_norm" => RmsNormArgs { x: Ptr = "const float*", w: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", eps: f32 = "float" }
+    "rms_norm" => RmsNormArgs { x: Ptr = "const float*", w: Ptr = "const float*", out: Ptr = "float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", eps: f32 = "float" }
     "quantize_q8_0" => QuantizeQ80Args { x: Ptr = "const float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_q8_0" => MatVecQ80Args { w: Ptr = "const u8*", xq: Ptr = "const i8*", xd: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_f16" => MatVecF16Args { w: Ptr = "const u16*", x: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
@@ -224,10 +224,18 @@ mod tests {
         assert_eq!(Ptr::rope(1).reference(), Some(PtrRef::Rope(1)));
         assert_eq!(Ptr::GRID.reference(), Some(PtrRef::Grid));
         assert_eq!(Ptr::NULL.reference(), Some(PtrRef::Null));
-        let a = RmsNormArgs { x: Ptr::buf(Buf(1)), w: Ptr::NULL, out: Ptr::buf(Buf(2)), n: 16, eps: 1e-6 };
+        let a = RmsNormArgs {
+            x: Ptr::buf(Buf(1)),
+            w: Ptr::NULL,
+            out: Ptr::buf(Buf(2)),
+            xq: Ptr::NULL,
+            xd: Ptr::NULL,
+            n: 16,
+            eps: 1e-6,
+        };
         let (words, ptrs) = encode(&a);
-        assert_eq!(ptrs, vec![0, 1, 2]);
-        assert_eq!(words.len(), 4);
-        assert_eq!(words[3] as u32, 16);
+        assert_eq!(ptrs, vec![0, 1, 2, 3, 4]);
+        assert_eq!(words.len(), 6);
+        assert_eq!(words[5] as u32, 16);
     }
 }

@@ -136,6 +136,22 @@ impl Builder<'_> {
         }
     }
 
+    /// Whether the next op that quantizes to the Q8_0 scratch is a Q8_0 matvec of `buf`, with
+    /// nothing writing `buf` before it.
+    fn next_q8_input_is(&self, buf: Buf) -> bool {
+        for st in &self.program.steps()[self.op + 1..] {
+            if let Op::MatVec { w, x, .. } | Op::MatVecGrouped { w, x, .. } = st.op {
+                if self.program.weight(w).ty == GgmlType::Q8_0 {
+                    return x == buf;
+                }
+            }
+            if st.op.writes().contains(&buf) {
+                return false;
+            }
+        }
+        false
+    }
+
     /// A dense matvec; Q8_0 weights first quantize the whole input per 32.
     fn mat_vec(&mut self, wt: WeightId, x: Buf, out: Buf, groups: u32) -> Result<(), String> {
         let t = self.program.weight(wt);
@@ -246,7 +262,21 @@ impl Builder<'_> {
                     Some(x) => self.f32_weight(x)?,
                     None => Ptr::NULL,
                 };
-                self.launch(rows, 256, RmsNormArgs { x: b(x), w: wp, out: b(out), n, eps });
+                // A norm whose output the next Q8_0 matvec reads also writes its Q8_0 quantization
+                // (the same values quantize_q8_0 would make): one launch fewer per such pair.
+                let (xq, xd) = if rows == 1 && n % 32 == 0 && self.next_q8_input_is(out) {
+                    self.need(Scratch::Q8Qs, n as usize);
+                    self.need(Scratch::Q8D, n as usize / 32 * 4);
+                    (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+                } else {
+                    (Ptr::NULL, Ptr::NULL)
+                };
+                // Enough warps to take the row's 512-term chunks at once (up to 1024 threads).
+                let block = (32 * (n as usize).div_ceil(numerics::CHUNK) as u32).clamp(256, 1024);
+                self.launch(rows, block, RmsNormArgs { x: b(x), w: wp, out: b(out), xq, xd, n, eps });
+                if xq != Ptr::NULL {
+                    self.q8_of = Some((out, self.cond));
+                }
             }
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
             Op::MatVecGrouped { w, x, out, groups } => self.mat_vec(w, x, out, groups)?,
@@ -589,6 +619,48 @@ mod tests {
             for l in &plan.launches {
                 assert_eq!(l.cond, pack_cond(program.steps()[l.op].cond));
             }
+        }
+    }
+
+    /// Every Q8_0 matvec reads a Q8_0 scratch that holds its own input's quantization: the last
+    /// quantizing launch before it (a quantize_q8_0, or a norm that quantizes its output) was of
+    /// that buffer, and no op has written the buffer since.
+    #[test]
+    fn every_q8_0_matvec_reads_the_quantization_of_its_input() {
+        for preset in [Preset::tiny(), Preset::small()] {
+            let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
+            let program = record_token(&model, Caps { ctx: 128 }).unwrap();
+            let plan = plan(&program).unwrap();
+            let mut held: Option<(u64, usize)> = None; // (the quantized buffer's reference, the op that quantized it)
+            let (mut checked, mut fused) = (0, 0);
+            for (i, l) in plan.launches.iter().enumerate() {
+                let op = &program.steps()[l.op].op;
+                match l.kernel {
+                    "quantize_q8_0" => held = Some((l.args[0], l.op)),
+                    "rms_norm" if l.args[3] != 0 => {
+                        held = Some((l.args[2], l.op));
+                        fused += 1;
+                    }
+                    "mat_vec_q8_0" => {
+                        let x = match *op {
+                            Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
+                            _ => unreachable!(),
+                        };
+                        assert_eq!(held.map(|h| h.0), Some(args::Ptr::buf(x).0), "launch {i} ({op:?})");
+                        checked += 1;
+                    }
+                    _ => {}
+                }
+                // After an op's last launch, what it wrote is no longer what was quantized (unless
+                // it is the op that quantized its own output).
+                let last_of_op = plan.launches.get(i + 1).is_none_or(|n| n.op != l.op);
+                if let (true, Some((buf, by))) = (last_of_op, held) {
+                    if by != l.op && op.writes().iter().any(|&w| args::Ptr::buf(w).0 == buf) {
+                        held = None;
+                    }
+                }
+            }
+            assert!(checked > 10 && fused > 3, "{}: {checked} Q8_0 matvecs, {fused} fused norms", preset.name);
         }
     }
 
