@@ -88,8 +88,9 @@ struct Builder<'a> {
     cond: u64,
     op: usize,
     ropes: Vec<(RopeParams, u32)>,
-    /// The buffer whose Q8_0 quantization is in the scratch now, and the predicate it ran under.
-    q8_of: Option<(Buf, u64)>,
+    /// The buffer whose Q8_0 quantization is in the scratch now, the predicate it ran under and
+    /// the op that made it.
+    q8_of: Option<(Buf, u64, usize)>,
     /// Split-K launches so far (each takes its own ticket).
     tickets: u32,
 }
@@ -162,7 +163,7 @@ impl Builder<'_> {
             GgmlType::Q8_0 => {
                 // Consecutive matvecs of one input (q_a and kv, shared gate and up) quantize it once,
                 // if nothing wrote it since and the quantization ran whenever this op runs.
-                let fresh = matches!(self.q8_of, Some((q, c)) if q == x && (c == 0 || c == self.cond));
+                let fresh = matches!(self.q8_of, Some((q, c, _)) if q == x && (c == 0 || c == self.cond));
                 if !fresh {
                     let n = self.len(x);
                     self.need(Scratch::Q8Qs, n);
@@ -175,7 +176,7 @@ impl Builder<'_> {
                         _pad: 0,
                     };
                     self.launch(blocks(n / 32, 8), 256, a);
-                    self.q8_of = Some((x, self.cond));
+                    self.q8_of = Some((x, self.cond, self.op));
                 }
                 let a = MatVecQ80Args {
                     w: w(wt),
@@ -275,7 +276,7 @@ impl Builder<'_> {
                 let block = (32 * (n as usize).div_ceil(numerics::CHUNK) as u32).clamp(256, 1024);
                 self.launch(rows, block, RmsNormArgs { x: b(x), w: wp, out: b(out), xq, xd, n, eps });
                 if xq != Ptr::NULL {
-                    self.q8_of = Some((out, self.cond));
+                    self.q8_of = Some((out, self.cond, self.op));
                 }
             }
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
@@ -558,7 +559,8 @@ pub fn plan(program: &Program) -> Result<Plan, String> {
     for (i, step) in program.steps().iter().enumerate() {
         b.op = i;
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
-        if b.q8_of.is_some_and(|(q, _)| step.op.writes().contains(&q)) {
+        // What an op writes is no longer what was quantized, unless the op quantized its own output.
+        if b.q8_of.is_some_and(|(q, _, by)| by != i && step.op.writes().contains(&q)) {
             b.q8_of = None;
         }
     }
@@ -636,7 +638,10 @@ mod tests {
             for (i, l) in plan.launches.iter().enumerate() {
                 let op = &program.steps()[l.op].op;
                 match l.kernel {
-                    "quantize_q8_0" => held = Some((l.args[0], l.op)),
+                    "quantize_q8_0" => {
+                        assert_ne!(held.map(|h| h.0), Some(l.args[0]), "launch {i} re-quantizes a held input");
+                        held = Some((l.args[0], l.op));
+                    }
                     "rms_norm" if l.args[3] != 0 => {
                         held = Some((l.args[2], l.op));
                         fused += 1;
