@@ -66,6 +66,12 @@ pub struct Plan {
 }
 
 const Q8K_BLOCK_BYTES: usize = 292;
+/// Whether a norm that feeds a Q8_0 matvec also writes the quantization, so the matvec skips its
+/// own quantize launch (130 launches fewer per Flash token). Off until `scripts/gpu-check` has
+/// passed with it: the plan test below checks the bookkeeping, but the matvecs reading the norm's
+/// quantization have not run on a GPU yet (the session that wrote it ran out of device time).
+const FUSE_NORM_Q8: bool = false;
+
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
 const SPLIT_K_ROWS: usize = 2048;
 
@@ -265,7 +271,7 @@ impl Builder<'_> {
                 };
                 // A norm whose output the next Q8_0 matvec reads also writes its Q8_0 quantization
                 // (the same values quantize_q8_0 would make): one launch fewer per such pair.
-                let (xq, xd) = if rows == 1 && n % 32 == 0 && self.next_q8_input_is(out) {
+                let (xq, xd) = if FUSE_NORM_Q8 && rows == 1 && n % 32 == 0 && self.next_q8_input_is(out) {
                     self.need(Scratch::Q8Qs, n as usize);
                     self.need(Scratch::Q8D, n as usize / 32 * 4);
                     (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
@@ -665,7 +671,8 @@ mod tests {
                     }
                 }
             }
-            assert!(checked > 10 && fused > 3, "{}: {checked} Q8_0 matvecs, {fused} fused norms", preset.name);
+            assert!(checked > 10, "{}: {checked} Q8_0 matvecs", preset.name);
+            assert!(!FUSE_NORM_Q8 || fused > 3, "{}: {fused} fused norms", preset.name);
         }
     }
 
