@@ -59,11 +59,27 @@ pub trait Executable {
     fn nodes_per_token(&self) -> Option<usize> {
         None
     }
+    /// A test hook: make the next graph capture, or the graph launch of one token, fail as a
+    /// driver error would, to check that the fallback loses nothing. Backends without graphs
+    /// refuse it.
+    fn inject_graph_failure(&mut self, f: GraphFailure) -> Result<(), BackendError> {
+        let _ = f;
+        Err(BackendError::new("backend", "has no graphs to make fail"))
+    }
     /// Diagnostics since the last call (for example a CUDA graph that fell back to eager
     /// launches). Library code never prints; the caller decides where these go.
     fn take_warnings(&mut self) -> Vec<String> {
         Vec::new()
     }
+}
+
+/// Where the graph-failure test hook strikes ([`Executable::inject_graph_failure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraphFailure {
+    /// The capture (and instantiation) after the warm-up token.
+    Capture,
+    /// The graph launch of the step with this index (0 is the executable's first step).
+    Launch { at_token: u64 },
 }
 
 /// The backends a user can ask for.

@@ -57,7 +57,7 @@ mod imp {
 
     use super::args::{self, FillArgs, Ptr, PtrRef};
     use super::plan::{self, SCRATCH_KINDS};
-    use crate::backend::{Backend, BackendError, Executable};
+    use crate::backend::{Backend, BackendError, Executable, GraphFailure};
     use crate::model::Model;
     use crate::quant::IQ2XXS_GRID;
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
@@ -318,6 +318,9 @@ mod imp {
         fill: CudaFunction,
         /// Fallbacks that happened (a failed capture or graph launch), for the caller to report.
         warnings: Vec<String>,
+        /// Steps run so far (for the failure-injection test hook).
+        tokens: u64,
+        inject: Option<GraphFailure>,
     }
 
     impl CudaExecutable {
@@ -481,6 +484,8 @@ mod imp {
                 graph: if graphs { GraphState::WarmUp } else { GraphState::Off },
                 fill,
                 warnings: Vec::new(),
+                tokens: 0,
+                inject: None,
             };
             exe.reset()?;
             Ok(exe)
@@ -526,6 +531,10 @@ mod imp {
             let launched = self.launch_all();
             let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
             launched?;
+            if self.inject == Some(GraphFailure::Capture) {
+                // The test hook: the capture ended cleanly, its graph is dropped as if it failed.
+                return Err(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED));
+            }
             let graph = graph?
                 .ok_or(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED))?;
             graph.upload()?;
@@ -552,8 +561,16 @@ mod imp {
             self.program.check_params(p).map_err(err)?;
             let words = [p.token, p.pos, 0, 0];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
+            let token = self.tokens;
+            self.tokens += 1;
             if let GraphState::Ready(g) = &self.graph {
-                match g.launch() {
+                let injected = self.inject == Some(GraphFailure::Launch { at_token: token });
+                let launched = if injected {
+                    Err(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_LAUNCH_FAILED))
+                } else {
+                    g.launch()
+                };
+                match launched {
                     Ok(()) => return Ok(()),
                     Err(e) => {
                         self.warnings.push(format!("cuda graph launch failed ({e}); running eagerly from now on"));
@@ -664,6 +681,11 @@ mod imp {
 
         fn nodes_per_token(&self) -> Option<usize> {
             Some(self.launches.len())
+        }
+
+        fn inject_graph_failure(&mut self, f: GraphFailure) -> Result<(), BackendError> {
+            self.inject = Some(f);
+            Ok(())
         }
 
         fn take_warnings(&mut self) -> Vec<String> {
