@@ -633,10 +633,9 @@ impl Writer {
         self
     }
 
-    /// The header of the image that [`Writer::to_bytes`] would write, with every tensor's size
-    /// taken from its type and dims (the data may be left empty), and the image's total length.
-    /// [`File::from_header`] reads it back.
-    pub fn to_header_only(&self) -> (Vec<u8>, u64) {
+    /// The header (metadata, then tensor infos) padded to the data start, with tensor `i` placed
+    /// at the next aligned offset for `sizes[i]` bytes. Returns it and each tensor's offset.
+    fn header(&self, sizes: &[u64]) -> (Vec<u8>, Vec<u64>) {
         let align = self.alignment.max(1);
         let mut out = Vec::with_capacity(1 << 16);
         out.extend_from_slice(MAGIC);
@@ -649,39 +648,8 @@ impl Writer {
             write_value(&mut out, v);
         }
         let mut rel = 0u64;
-        for (name, ty, dims, _) in &self.tensors {
-            write_string(&mut out, name);
-            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-            for d in dims {
-                out.extend_from_slice(&d.to_le_bytes());
-            }
-            out.extend_from_slice(&(*ty as u32).to_le_bytes());
-            out.extend_from_slice(&rel.to_le_bytes());
-            let bytes = tensor_bytes(name, *ty, dims).unwrap_or(u64::MAX);
-            rel = align_up(rel.saturating_add(bytes), align).unwrap_or(u64::MAX);
-        }
-        let data_start = align_up(out.len() as u64, align).unwrap_or(u64::MAX);
-        out.resize(data_start as usize, 0);
-        (out, data_start.saturating_add(rel))
-    }
-
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let align = self.alignment.max(1) as usize;
-        let data: usize = self.tensors.iter().map(|t| t.3.len().div_ceil(align) * align).sum();
-        let mut out = Vec::with_capacity(data + (1 << 16));
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
-        for (k, v) in &self.metadata {
-            write_string(&mut out, k);
-            out.extend_from_slice(&(v.value_type() as u32).to_le_bytes());
-            write_value(&mut out, v);
-        }
-        let align = self.alignment.max(1);
-        let mut rel = 0u64;
         let mut offsets = Vec::with_capacity(self.tensors.len());
-        for (name, ty, dims, data) in &self.tensors {
+        for ((name, ty, dims, _), &size) in self.tensors.iter().zip(sizes) {
             write_string(&mut out, name);
             out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
             for d in dims {
@@ -690,15 +658,38 @@ impl Writer {
             out.extend_from_slice(&(*ty as u32).to_le_bytes());
             out.extend_from_slice(&rel.to_le_bytes());
             offsets.push(rel);
-            rel = align_up(rel + data.len() as u64, align).unwrap_or(u64::MAX);
+            rel = align_up(rel.saturating_add(size), align).unwrap_or(u64::MAX);
         }
-        let data_start = align_up(out.len() as u64, align).unwrap_or(u64::MAX) as usize;
-        out.resize(data_start, 0);
+        let data_start = align_up(out.len() as u64, align).unwrap_or(u64::MAX);
+        out.resize(data_start as usize, 0);
+        (out, offsets)
+    }
+
+    /// The header of the image that [`Writer::to_bytes`] would write, with every tensor's size
+    /// taken from its type and dims (the data may be left empty), and the image's total length.
+    /// [`File::from_header`] reads it back.
+    pub fn to_header_only(&self) -> (Vec<u8>, u64) {
+        let sizes: Vec<u64> =
+            self.tensors.iter().map(|(name, ty, dims, _)| tensor_bytes(name, *ty, dims).unwrap_or(u64::MAX)).collect();
+        let (out, offsets) = self.header(&sizes);
+        let align = self.alignment.max(1);
+        let end = match (offsets.last(), sizes.last()) {
+            (Some(&o), Some(&n)) => align_up(o.saturating_add(n), align).unwrap_or(u64::MAX),
+            _ => 0,
+        };
+        let total = (out.len() as u64).saturating_add(end);
+        (out, total)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let sizes: Vec<u64> = self.tensors.iter().map(|t| t.3.len() as u64).collect();
+        let (mut out, offsets) = self.header(&sizes);
+        let data_start = out.len();
         for ((_, _, _, data), off) in self.tensors.iter().zip(offsets) {
             out.resize(data_start + off as usize, 0);
             out.extend_from_slice(data);
         }
-        let end = align_up(out.len() as u64, align).unwrap_or(u64::MAX) as usize;
+        let end = align_up(out.len() as u64, self.alignment.max(1)).unwrap_or(u64::MAX) as usize;
         out.resize(end, 0);
         out
     }
