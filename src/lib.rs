@@ -7,6 +7,7 @@ pub mod backend;
 #[path = "../backends/mod.rs"]
 pub mod backends;
 pub mod decode;
+pub mod engine;
 pub mod gguf;
 pub mod model;
 pub mod numerics;

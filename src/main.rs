@@ -1,27 +1,23 @@
-//! The `ds4` command line: run, check, bench, inspect, synth, tokenize.
+//! The `ds4` command line: run, serve, check, bench, inspect, synth, tokenize.
+
+mod serve;
 
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use ds4::backend::{self, Backend, BackendKind, BackendOptions};
-use ds4::gguf;
+use ds4::backend::{Backend, BackendKind};
+use ds4::engine::{self, open_gguf, BackendChoice, Engine, Event, GenParams, ModelSource, EMBEDDED_SEED};
 use ds4::model::Model;
 use ds4::numerics::Numerics;
-use ds4::sample::{self as sampling, Sampler, SamplerConfig};
+use ds4::sample::{self as sampling, SamplerConfig};
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
-use ds4::tokenizer::{StreamDecoder, ThinkMode, Tokenizer};
-
-/// The file `ds4 run` looks for when no -m is given.
-const DEFAULT_MODEL: &str = "ds4flash.gguf";
-/// Seed of the embedded tiny model.
-const EMBEDDED_SEED: u64 = 4;
+use ds4::tokenizer::{ThinkMode, Tokenizer};
 
 /// Prints a line to stdout and returns an error when stdout is gone (e.g. closed by `| head`);
 /// `main` ends quietly with success on that error, as Unix tools do.
@@ -40,6 +36,8 @@ struct Cli {
 enum Cmd {
     /// Generate text (or token ids) from a prompt.
     Run(RunArgs),
+    /// Serve the model over HTTP: OpenAI's chat completions and Anthropic's messages APIs.
+    Serve(ServeArgs),
     /// Compare one backend's logits against another backend or a reference file.
     Check(CheckArgs),
     /// Measure prefill and decode speed.
@@ -254,6 +252,18 @@ struct RunArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    m: ModelArgs,
+    /// Address to listen on (the loopback address: only this machine can connect).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the URL printed says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+}
+
+#[derive(Args)]
 struct CheckArgs {
     #[command(flatten)]
     m: ModelArgs,
@@ -325,6 +335,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Run(a) => cmd_run(a),
+        Cmd::Serve(a) => cmd_serve(a),
         Cmd::Check(a) => cmd_check(a),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Inspect { model } => cmd_inspect(&model),
@@ -353,18 +364,6 @@ fn check_model_args(m: &ModelArgs) -> Result<()> {
     Ok(())
 }
 
-/// Opens a GGUF file named by an option, with a message naming the option for a missing file or
-/// a directory (a directory would otherwise fail to map with an obscure OS error).
-fn open_gguf(path: &Path, option: &str) -> Result<gguf::File> {
-    if !path.exists() {
-        bail!("{option}: model file {} does not exist", path.display());
-    }
-    if path.is_dir() {
-        bail!("{option}: {} is a directory, not a GGUF file", path.display());
-    }
-    Ok(gguf::File::open(path)?)
-}
-
 /// Creates an output file before any work starts, so a bad path fails at once.
 fn create_output(path: &Path, option: &str) -> Result<std::fs::File> {
     std::fs::File::create(path).with_context(|| format!("{option}: cannot write {}", path.display()))
@@ -385,67 +384,13 @@ fn read_text(path: &Path, option: &str) -> Result<String> {
     })
 }
 
-/// A model and its tokenizer, with a line saying where they came from.
-struct Loaded {
-    model: Arc<Model>,
-    tokenizer: Tokenizer,
-    source: String,
-    /// The backend the session runs on (what `--backend auto` chose), set by `start`.
-    backend: String,
-}
-
-fn load(m: &ModelArgs) -> Result<Loaded> {
-    let (file, source, synthetic) = if let Some(name) = &m.preset {
-        let preset =
-            Preset::by_name(name).with_context(|| format!("unknown preset '{name}' (tiny, small, flash-4l, flash)"))?;
-        if name == "flash" {
-            // About 80 GB: drawn in device memory by the backend, never built on the host.
-            let model = synth::device_model(&preset, EMBEDDED_SEED)?;
-            let tokenizer = Tokenizer::from_gguf(&model.file)?;
-            let source = "synthetic 'flash' model (drawn in device memory)".to_string();
-            return Ok(Loaded { model, tokenizer, source, backend: String::new() });
-        }
-        let bytes = synth::build(&preset, EMBEDDED_SEED);
-        // small and flash-4l also carry their recipe: a GPU draws the weights itself (the same
-        // bits), and a check against the CPU, which reads the host bytes, tests that drawing too.
-        let synthetic = (name != "tiny").then(|| synth::synthetic(&preset, EMBEDDED_SEED));
-        (
-            gguf::File::from_bytes(format!("synthetic {name} model"), bytes)?,
-            format!("synthetic '{name}' model (in memory)"),
-            synthetic,
-        )
-    } else {
-        let path = match &m.model {
-            Some(p) => Some(p.clone()),
-            None if Path::new(DEFAULT_MODEL).exists() => Some(PathBuf::from(DEFAULT_MODEL)),
-            None => None,
-        };
-        match path {
-            Some(p) => (open_gguf(&p, "-m/--model")?, p.display().to_string(), None),
-            None => {
-                let bytes = synth::build(&Preset::tiny(), EMBEDDED_SEED);
-                eprintln!(
-                    "ds4: no -m given and no ./{DEFAULT_MODEL}: running the embedded tiny synthetic model \
-                     (random weights, byte-level stand-in tokenizer; its output is noise)"
-                );
-                let file = gguf::File::from_bytes("embedded tiny model", bytes)?;
-                (file, "embedded tiny synthetic model".to_string(), None)
-            }
-        }
-    };
-    // The model first: a tokenizer-only file or another architecture is named as such, rather
-    // than reported as a missing tokenizer key.
-    let model = Model::from_file_synthetic(file, synthetic)?;
-    let tokenizer = Tokenizer::from_gguf(&model.file)?;
-    if tokenizer.vocab_size() != model.config.n_vocab {
-        bail!(
-            "{}: the tokenizer has {} tokens but the model's vocabulary is {}",
-            model.file.name(),
-            tokenizer.vocab_size(),
-            model.config.n_vocab
-        );
+/// Where `-m`/`--preset` say the model comes from.
+fn model_source(m: &ModelArgs) -> ModelSource {
+    match (&m.preset, &m.model) {
+        (Some(name), _) => ModelSource::Preset(name.clone()),
+        (None, Some(p)) => ModelSource::File(p.clone()),
+        (None, None) => ModelSource::Default,
     }
-    Ok(Loaded { model, tokenizer, source, backend: String::new() })
 }
 
 fn backend_kind(b: BackendArg) -> Option<BackendKind> {
@@ -457,43 +402,20 @@ fn backend_kind(b: BackendArg) -> Option<BackendKind> {
     }
 }
 
-/// The profile a backend computes in: GPU backends only `canonical`; the CPU `ds4` by default.
-fn numerics_for(kind: BackendKind, asked: Option<NumericsArg>) -> Result<Numerics> {
-    match (kind, asked) {
-        (BackendKind::Cpu, None) => Ok(Numerics::Ds4),
-        (BackendKind::Cpu, Some(a)) => Ok(a.profile()),
-        (_, None | Some(NumericsArg::Canonical)) => Ok(Numerics::Canonical),
-        (k, Some(NumericsArg::Ds4)) => {
-            bail!("--numerics ds4 is the CPU's profile; the {k} backend implements only --numerics canonical")
-        }
-    }
-}
-
 /// The backend asked for; `auto` takes the first of cuda, wgpu, cpu that this build and machine
 /// offer (only the cpu with `--numerics ds4`).
 fn make_backend(m: &ModelArgs, which: BackendArg, numerics: Option<NumericsArg>) -> Result<Box<dyn Backend>> {
-    let opts = |kind| -> Result<BackendOptions> {
-        Ok(BackendOptions {
-            threads: m.threads,
-            graphs: m.graphs == OnOff::On,
-            numerics: numerics_for(kind, numerics)?,
-        })
+    let choice = BackendChoice {
+        kind: backend_kind(which),
+        threads: m.threads,
+        graphs: m.graphs == OnOff::On,
+        numerics: numerics.map(NumericsArg::profile),
     };
-    match backend_kind(which) {
-        Some(kind) => Ok(backend::create(kind, opts(kind)?)?),
-        None if numerics == Some(NumericsArg::Ds4) => Ok(backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?),
-        None => {
-            let mut skipped = Vec::new();
-            for kind in [BackendKind::Cuda, BackendKind::Wgpu] {
-                match backend::create(kind, opts(kind)?) {
-                    Ok(b) => return Ok(b),
-                    Err(e) => skipped.push(e.msg),
-                }
-            }
-            eprintln!("ds4: --backend auto chose cpu (cuda: {}; wgpu: {})", skipped[0], skipped[1]);
-            Ok(backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?)
-        }
+    let (backend, note) = engine::make_backend(&choice)?;
+    if let Some(note) = note {
+        eprintln!("ds4: {note}");
     }
+    Ok(backend)
 }
 
 fn spinner(msg: &str) -> ProgressBar {
@@ -505,46 +427,33 @@ fn spinner(msg: &str) -> ProgressBar {
 }
 
 /// Loads the model and compiles a session, with a progress line; returns the load time too.
-fn start(m: &ModelArgs, which: BackendArg) -> Result<(Loaded, Session, Duration)> {
+fn start(m: &ModelArgs, which: BackendArg) -> Result<(Engine, Duration)> {
     let t0 = Instant::now();
     let pb = spinner("loading model");
-    let loaded = load(m);
+    let loaded = engine::load(&model_source(m));
     pb.finish_and_clear();
-    let mut loaded = loaded?;
-    // The caches grow with --ctx: past the trained length they only cost memory and time.
-    if let Some(max) = loaded.model.config.context_length {
-        if m.ctx as u64 > max {
-            bail!("-c/--ctx {} is more than the model's context length {max} ({})", m.ctx, loaded.source);
-        }
+    let loaded = loaded?;
+    for note in &loaded.notes {
+        eprintln!("ds4: {note}");
     }
+    engine::check_ctx(&loaded, m.ctx)?;
     let backend = make_backend(m, which, m.numerics)?;
-    loaded.backend = backend_label(backend.name(), m);
     let pb = spinner(&format!("preparing the {} backend", backend.name()));
-    let session = Session::new(loaded.model.clone(), backend.as_ref(), m.ctx);
+    let engine = Engine::new(loaded, backend.as_ref(), m.ctx, m.threads);
     pb.finish_and_clear();
-    let session = session?;
+    let mut engine = engine?;
     let elapsed = t0.elapsed();
-    let (ops, predicated) = session.program().op_counts();
+    let (ops, predicated) = engine.session().program().op_counts();
     eprintln!(
         "ds4: {} on {} ({} numerics): {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), loaded in {:.2} s",
-        loaded.source,
-        loaded.backend,
+        engine.loaded.source,
+        engine.backend_label,
         backend.numerics(),
-        loaded.model.config.n_layer,
+        engine.model().config.n_layer,
         m.ctx,
         elapsed.as_secs_f64()
     );
-    Ok((loaded, session, elapsed))
-}
-
-/// The backend's name, with the thread count for the CPU backend.
-fn backend_label(name: &str, m: &ModelArgs) -> String {
-    if name == "cpu" {
-        let threads = if m.threads == 0 { rayon::current_num_threads() } else { m.threads };
-        format!("cpu ({threads} threads)")
-    } else {
-        name.to_string()
-    }
+    Ok((engine, elapsed))
 }
 
 /// "1 token", "2 tokens".
@@ -600,8 +509,8 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         None => None,
     };
 
-    let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
-    let tok = &loaded.tokenizer;
+    let (mut engine, _) = start(&a.m, a.m.backend)?;
+    let tok = engine.tokenizer();
     let think = if a.nothink { ThinkMode::NoThink } else { ThinkMode::Think };
     let input: Vec<u32> = match (ids, &prompt) {
         (Some(v), _) => v,
@@ -612,96 +521,104 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let n_gen = n_gen.unwrap_or(if raw_ids { 16 } else { 512 });
-    if input.len() > session.ctx() {
-        bail!("the prompt is {} tokens, longer than --ctx {}", input.len(), session.ctx());
+    let ctx = engine.ctx();
+    if input.len() > ctx {
+        bail!("the prompt is {} tokens, longer than --ctx {}", input.len(), ctx);
     }
-    let room = session.ctx() - input.len();
+    let room = ctx - input.len();
     let n_gen = if n_gen > room {
-        eprintln!("ds4: generating at most {room} tokens: the context ends there (--ctx {})", session.ctx());
+        eprintln!("ds4: generating at most {room} tokens: the context ends there (--ctx {ctx})");
         room
     } else {
         n_gen
     };
 
-    // Prefill. With --dump-logits the logits after every fed token are kept (prompt and generated).
-    let t_prefill = Instant::now();
+    // With --dump-logits the logits after every fed token are kept (prompt and generated).
     let mut dump = a.dump_logits.as_ref().map(|_| Vec::<u8>::new());
     let pb = if input.len() >= 64 { ProgressBar::new(input.len() as u64) } else { ProgressBar::hidden() };
     pb.set_style(ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {per_sec}").unwrap());
-    let mut logits = Vec::new();
-    if let Some(buf) = dump.as_mut() {
-        for &t in &input {
-            logits = session.eval(t)?.to_vec();
-            buf.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
-            pb.inc(1);
-        }
-    } else {
-        logits = session.prefill(&input, |i| pb.set_position(i as u64))?.to_vec();
-    }
-    pb.finish_and_clear();
-    let prefill_time = t_prefill.elapsed();
-
-    // Decode.
-    let mut sampler = Sampler::new(sampler_cfg);
-    let eos = tok.specials().eos;
+    let params =
+        GenParams { sampler: sampler_cfg, max_tokens: n_gen, ignore_eos: a.ignore_eos, logits: dump.is_some() };
     let mut out = std::io::stdout().lock();
-    let mut text = StreamDecoder::new();
-    let t_decode = Instant::now();
-    let mut generated = 0;
-    let mut fed_after_first = 0;
-    for i in 0..n_gen {
-        let next = sampler.sample(&logits);
-        generated += 1;
-        if raw_ids {
-            write!(out, "{}{next}", if i == 0 { "" } else { " " })?;
-        } else if next != eos {
-            write!(out, "{}", text.push(&tok.token_bytes(next).unwrap_or_default()))?;
-        }
-        out.flush()?;
-        if next == eos && !a.ignore_eos {
-            break;
-        }
-        if i + 1 < n_gen {
-            logits = session.eval(next)?.to_vec();
-            fed_after_first += 1;
-            if let Some(buf) = dump.as_mut() {
-                buf.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+    let mut write_err: Option<std::io::Error> = None;
+    let mut first = true;
+    let stats = engine.generate(&input, &params, |ev| {
+        let r = match ev {
+            Event::Prefill { done, .. } => {
+                pb.set_position(done as u64);
+                if done == input.len() {
+                    pb.finish_and_clear();
+                }
+                Ok(())
+            }
+            Event::Logits(l) => {
+                if let Some(buf) = dump.as_mut() {
+                    buf.extend(l.iter().flat_map(|v| v.to_le_bytes()));
+                }
+                Ok(())
+            }
+            Event::Token { id, text } => {
+                if raw_ids {
+                    let sep = if first { "" } else { " " };
+                    first = false;
+                    write!(out, "{sep}{id}").and_then(|_| out.flush())
+                } else {
+                    write!(out, "{text}").and_then(|_| out.flush())
+                }
+            }
+        };
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                write_err = Some(e);
+                false
             }
         }
+    });
+    pb.finish_and_clear();
+    let stats = stats?;
+    if let Some(e) = write_err {
+        return Err(e.into());
     }
-    write!(out, "{}", text.finish())?;
-    if generated > 0 {
+    write!(out, "{}", stats.tail)?;
+    if stats.generated > 0 {
         writeln!(out)?;
     }
-    let decode_time = t_decode.elapsed();
-    for w in session.take_warnings() {
+    for w in engine.take_warnings() {
         eprintln!("ds4: {w}");
     }
     if let (Some(path), Some(buf), Some(f)) = (&a.dump_logits, &dump, dump_file.as_mut()) {
         f.write_all(buf).with_context(|| format!("--dump-logits: cannot write {}", path.display()))?;
-        let rows = buf.len() / 4 / logits.len().max(1);
-        eprintln!("ds4: wrote {rows} x {} logits (one row per fed token) to {}", logits.len(), path.display());
+        let n_vocab = engine.model().config.n_vocab;
+        let rows = buf.len() / 4 / n_vocab.max(1);
+        eprintln!("ds4: wrote {rows} x {n_vocab} logits (one row per fed token) to {}", path.display());
     }
     // The first generated token comes from the prefill's logits; each later one costs one decode
     // step, so the rate counts steps, not generated tokens.
-    let decode = if fed_after_first == 0 {
-        format!("generated {}, no decode step to time", tokens(generated))
+    let decode = if stats.decoded == 0 {
+        format!("generated {}, no decode step to time", tokens(stats.generated))
     } else {
         format!(
             "generated {}; decode {} in {:.3} s ({:.1} tok/s)",
-            tokens(generated),
-            tokens(fed_after_first),
-            decode_time.as_secs_f64(),
-            rate(fed_after_first, decode_time)
+            tokens(stats.generated),
+            tokens(stats.decoded),
+            stats.decode_time.as_secs_f64(),
+            rate(stats.decoded, stats.decode_time)
         )
     };
     eprintln!(
         "ds4: prefill {} tokens in {:.3} s ({:.1} tok/s); {decode}",
         input.len(),
-        prefill_time.as_secs_f64(),
-        rate(input.len(), prefill_time),
+        stats.prefill_time.as_secs_f64(),
+        rate(input.len(), stats.prefill_time),
     );
     Ok(())
+}
+
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    check_model_args(&a.m)?;
+    let ServeArgs { m, host, port } = a;
+    serve::run(Box::new(move || Ok(start(&m, m.backend)?.0)), &host, port)
 }
 
 fn cmd_check(mut a: CheckArgs) -> Result<()> {
@@ -727,7 +644,7 @@ fn cmd_check(mut a: CheckArgs) -> Result<()> {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("--logits: cannot read {}", p.display()))?),
         None => None,
     };
-    let (loaded, mut session, _) = start(&a.m, a.m.backend)?;
+    let (loaded, mut session, _) = start(&a.m, a.m.backend)?.0.into_parts();
     let n_vocab = loaded.model.config.n_vocab;
     let reference: Option<Vec<f32>> = match (&a.logits, raw_reference) {
         (Some(p), Some(raw)) => {
@@ -930,7 +847,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if a.prefill.saturating_add(a.tokens) > a.m.ctx {
         bail!("--prefill {} plus -n {} tokens do not fit in -c/--ctx {}", a.prefill, a.tokens, a.m.ctx);
     }
-    let (loaded, mut session, load_time) = start(&a.m, a.m.backend)?;
+    let (engine, load_time) = start(&a.m, a.m.backend)?;
+    let (loaded, mut session, backend_label) = engine.into_parts();
     let cfg = &loaded.model.config;
     let prompt: Vec<u32> = (0..a.prefill).map(|i| ((i * 7919 + 13) % cfg.n_vocab) as u32).collect();
     let t0 = Instant::now();
@@ -951,7 +869,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let tps = rate(a.tokens, decode_time);
     let ms_per_token = 1e3 * decode_time.as_secs_f64() / a.tokens as f64;
     out!("model      {}", loaded.source);
-    out!("backend    {}", loaded.backend);
+    out!("backend    {backend_label}");
     out!("load       {:.3} s", load_time.as_secs_f64());
     out!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
     out!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, ms_per_token);

@@ -100,6 +100,13 @@ pub enum ThinkMode {
     NoThink,
 }
 
+/// Who speaks a turn of a conversation (the system text is passed apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    User,
+    Assistant,
+}
+
 pub struct Tokenizer {
     hf: tokenizers::Tokenizer,
     specials: Specials,
@@ -256,6 +263,37 @@ impl Tokenizer {
         out.extend(self.encode(system));
         out.push(s.user);
         out.extend(self.encode(prompt));
+        out.push(s.assistant);
+        out.push(match think {
+            ThinkMode::Think => s.think,
+            ThinkMode::NoThink => s.think_end,
+        });
+        out
+    }
+
+    /// A whole conversation in ds4's chat template: BOS, the system text, then each turn, then
+    /// `<｜Assistant｜>` and `<think>` or `</think>` for the answer to come. A user turn is
+    /// `<｜User｜>` and its text; an earlier assistant turn is `<｜Assistant｜></think>`, its text
+    /// (its reasoning is not kept, as in DeepSeek's template) and the end-of-sentence token. One
+    /// user turn renders exactly as [`Tokenizer::render_chat`].
+    pub fn render_conversation(&self, system: &str, turns: &[(Role, &str)], think: ThinkMode) -> Vec<u32> {
+        let s = &self.specials;
+        let mut out = vec![s.bos];
+        out.extend(self.encode(system));
+        for (role, text) in turns {
+            match role {
+                Role::User => {
+                    out.push(s.user);
+                    out.extend(self.encode(text));
+                }
+                Role::Assistant => {
+                    out.push(s.assistant);
+                    out.push(s.think_end);
+                    out.extend(self.encode(text));
+                    out.push(s.eos);
+                }
+            }
+        }
         out.push(s.assistant);
         out.push(match think {
             ThinkMode::Think => s.think,

@@ -1,0 +1,423 @@
+//! The engine behind `ds4 run` and `ds4 serve`: resolve and load a model once, pick a backend,
+//! compile one [`Session`], then tokenize and generate with a callback per token.
+//!
+//! The session keeps the token ids whose state it holds, so a prompt that starts with them only
+//! prefills the rest (prefix reuse: a chat client resends the whole conversation every turn).
+//! Library code never prints: what the caller may want to show comes back as notes and stats.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::{self, Backend, BackendError, BackendKind, BackendOptions};
+use crate::gguf;
+use crate::model::Model;
+use crate::numerics::Numerics;
+use crate::sample::{Sampler, SamplerConfig, SamplerError};
+use crate::session::{Session, SessionError};
+use crate::synth::{self, Preset};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// The file looked for when no model is named.
+pub const DEFAULT_MODEL: &str = "ds4flash.gguf";
+/// Seed of the embedded tiny model and of the synthetic presets.
+pub const EMBEDDED_SEED: u64 = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A setting or file refused before any work starts; the message names it.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt is {prompt} tokens, longer than --ctx {ctx}")]
+    PromptTooLong { prompt: usize, ctx: usize },
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Sampler(#[from] SamplerError),
+}
+
+/// Where the model comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A GGUF file.
+    File(PathBuf),
+    /// A synthetic preset built in memory: tiny, small, flash-4l, or flash (drawn in device memory).
+    Preset(String),
+    /// `./ds4flash.gguf` if it exists, else the embedded tiny synthetic model.
+    Default,
+}
+
+/// A model and its tokenizer, with a line saying where they came from.
+pub struct Loaded {
+    pub model: Arc<Model>,
+    pub tokenizer: Tokenizer,
+    pub source: String,
+    /// Things worth telling the user (e.g. that the embedded model's output is noise).
+    pub notes: Vec<String>,
+}
+
+/// Opens a GGUF file named by an option, with a message naming the option for a missing file or
+/// a directory (a directory would otherwise fail to map with an obscure OS error).
+pub fn open_gguf(path: &Path, option: &str) -> Result<gguf::File, EngineError> {
+    if !path.exists() {
+        return Err(EngineError::Invalid(format!("{option}: model file {} does not exist", path.display())));
+    }
+    if path.is_dir() {
+        return Err(EngineError::Invalid(format!("{option}: {} is a directory, not a GGUF file", path.display())));
+    }
+    Ok(gguf::File::open(path)?)
+}
+
+/// Resolves and loads a model and its tokenizer.
+pub fn load(source: &ModelSource) -> Result<Loaded, EngineError> {
+    let mut notes = Vec::new();
+    let (file, source, synthetic) = match source {
+        ModelSource::Preset(name) => {
+            let preset = Preset::by_name(name).ok_or_else(|| {
+                EngineError::Invalid(format!("unknown preset '{name}' (tiny, small, flash-4l, flash)"))
+            })?;
+            if name == "flash" {
+                // About 80 GB: drawn in device memory by the backend, never built on the host.
+                let model = synth::device_model(&preset, EMBEDDED_SEED)?;
+                let tokenizer = Tokenizer::from_gguf(&model.file)?;
+                let source = "synthetic 'flash' model (drawn in device memory)".to_string();
+                return Ok(Loaded { model, tokenizer, source, notes });
+            }
+            let bytes = synth::build(&preset, EMBEDDED_SEED);
+            // small and flash-4l also carry their recipe: a GPU draws the weights itself (the same
+            // bits), and a check against the CPU, which reads the host bytes, tests that drawing too.
+            let synthetic = (name != "tiny").then(|| synth::synthetic(&preset, EMBEDDED_SEED));
+            (
+                gguf::File::from_bytes(format!("synthetic {name} model"), bytes)?,
+                format!("synthetic '{name}' model (in memory)"),
+                synthetic,
+            )
+        }
+        ModelSource::File(p) => (open_gguf(p, "-m/--model")?, p.display().to_string(), None),
+        ModelSource::Default if Path::new(DEFAULT_MODEL).exists() => {
+            (open_gguf(Path::new(DEFAULT_MODEL), "-m/--model")?, DEFAULT_MODEL.to_string(), None)
+        }
+        ModelSource::Default => {
+            let bytes = synth::build(&Preset::tiny(), EMBEDDED_SEED);
+            notes.push(format!(
+                "no -m given and no ./{DEFAULT_MODEL}: running the embedded tiny synthetic model \
+                 (random weights, byte-level stand-in tokenizer; its output is noise)"
+            ));
+            let file = gguf::File::from_bytes("embedded tiny model", bytes)?;
+            (file, "embedded tiny synthetic model".to_string(), None)
+        }
+    };
+    // The model first: a tokenizer-only file or another architecture is named as such, rather
+    // than reported as a missing tokenizer key.
+    let model = Model::from_file_synthetic(file, synthetic)?;
+    let tokenizer = Tokenizer::from_gguf(&model.file)?;
+    if tokenizer.vocab_size() != model.config.n_vocab {
+        return Err(EngineError::Invalid(format!(
+            "{}: the tokenizer has {} tokens but the model's vocabulary is {}",
+            model.file.name(),
+            tokenizer.vocab_size(),
+            model.config.n_vocab
+        )));
+    }
+    Ok(Loaded { model, tokenizer, source, notes })
+}
+
+/// The profile a backend computes in: GPU backends only `canonical`; the CPU `ds4` by default.
+pub fn numerics_for(kind: BackendKind, asked: Option<Numerics>) -> Result<Numerics, EngineError> {
+    match (kind, asked) {
+        (BackendKind::Cpu, None) => Ok(Numerics::Ds4),
+        (BackendKind::Cpu, Some(a)) => Ok(a),
+        (_, None | Some(Numerics::Canonical)) => Ok(Numerics::Canonical),
+        (k, Some(Numerics::Ds4)) => Err(EngineError::Invalid(format!(
+            "--numerics ds4 is the CPU's profile; the {k} backend implements only --numerics canonical"
+        ))),
+    }
+}
+
+/// How to pick and set up a backend.
+#[derive(Debug, Clone, Copy)]
+pub struct BackendChoice {
+    /// None: auto, the first of cuda, wgpu, cpu that this build and machine offer (only the cpu
+    /// with `Numerics::Ds4`).
+    pub kind: Option<BackendKind>,
+    /// CPU worker threads (0: all cores).
+    pub threads: usize,
+    /// CUDA: capture the token as one graph.
+    pub graphs: bool,
+    /// None: the backend's default profile.
+    pub numerics: Option<Numerics>,
+}
+
+/// Creates the backend asked for. The second value says why auto fell back to the CPU.
+pub fn make_backend(c: &BackendChoice) -> Result<(Box<dyn Backend>, Option<String>), EngineError> {
+    let opts = |kind| -> Result<BackendOptions, EngineError> {
+        Ok(BackendOptions { threads: c.threads, graphs: c.graphs, numerics: numerics_for(kind, c.numerics)? })
+    };
+    match c.kind {
+        Some(kind) => Ok((backend::create(kind, opts(kind)?)?, None)),
+        None if c.numerics == Some(Numerics::Ds4) => {
+            Ok((backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?, None))
+        }
+        None => {
+            let mut skipped = Vec::new();
+            for kind in [BackendKind::Cuda, BackendKind::Wgpu] {
+                match backend::create(kind, opts(kind)?) {
+                    Ok(b) => return Ok((b, None)),
+                    Err(e) => skipped.push(e.msg),
+                }
+            }
+            let note = format!("--backend auto chose cpu (cuda: {}; wgpu: {})", skipped[0], skipped[1]);
+            Ok((backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?, Some(note)))
+        }
+    }
+}
+
+/// Refuses a context longer than the model was trained for: past it the caches only cost
+/// memory and time.
+pub fn check_ctx(loaded: &Loaded, ctx: usize) -> Result<(), EngineError> {
+    if let Some(max) = loaded.model.config.context_length {
+        if ctx as u64 > max {
+            return Err(EngineError::Invalid(format!(
+                "-c/--ctx {ctx} is more than the model's context length {max} ({})",
+                loaded.source
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What one `generate` call does.
+#[derive(Debug, Clone, Copy)]
+pub struct GenParams {
+    pub sampler: SamplerConfig,
+    /// Tokens to sample at most; fewer when the context ends first.
+    pub max_tokens: usize,
+    /// Keep going past the end-of-sentence token.
+    pub ignore_eos: bool,
+    /// Report the logits after every fed token ([`Event::Logits`]); this feeds the prompt token by
+    /// token and never reuses a prefix, so every row is there.
+    pub logits: bool,
+}
+
+/// What `generate` reports while it runs.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// `done` of the `total` prompt tokens that need prefilling are in.
+    Prefill { done: usize, total: usize },
+    /// The logits after a fed token (only with [`GenParams::logits`]).
+    Logits(&'a [f32]),
+    /// A sampled token and the text it completes (UTF-8 safe: a split character waits for the
+    /// next token; empty for the end-of-sentence token).
+    Token { id: u32, text: &'a str },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The end-of-sentence token.
+    Eos,
+    /// `max_tokens` reached, or the context is full.
+    Length,
+    /// The callback asked to stop.
+    Callback,
+}
+
+/// What one `generate` call did.
+#[derive(Debug, Clone)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose state the session already held.
+    pub reused: usize,
+    /// Prompt tokens fed now.
+    pub prefilled: usize,
+    /// Tokens sampled (the end-of-sentence token included).
+    pub generated: usize,
+    /// Decode steps: sampled tokens fed back (the last one never is).
+    pub decoded: usize,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+    /// From the call to the first sampled token.
+    pub first_token: Option<Duration>,
+    pub stop: StopReason,
+    /// Text still held by the UTF-8 decoder at the end (an unfinished character as U+FFFD).
+    pub tail: String,
+}
+
+/// A loaded model with one compiled session: the weights are uploaded once, here.
+pub struct Engine {
+    pub loaded: Loaded,
+    session: Session,
+    /// The backend the session runs on (what auto chose), with the CPU's thread count.
+    pub backend_label: String,
+    /// Token ids whose state the session holds, in order. Empty after an error: the state is then
+    /// unknown and the next call starts afresh.
+    history: Vec<u32>,
+}
+
+impl Engine {
+    /// Compiles a session of `ctx` positions on `backend`.
+    pub fn new(loaded: Loaded, backend: &dyn Backend, ctx: usize, threads: usize) -> Result<Engine, EngineError> {
+        check_ctx(&loaded, ctx)?;
+        let session = Session::new(loaded.model.clone(), backend, ctx)?;
+        let backend_label = if backend.name() == "cpu" {
+            let threads = if threads == 0 { rayon::current_num_threads() } else { threads };
+            format!("cpu ({threads} threads)")
+        } else {
+            backend.name().to_string()
+        };
+        Ok(Engine { loaded, session, backend_label, history: Vec::new() })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.loaded.tokenizer
+    }
+    pub fn model(&self) -> &Arc<Model> {
+        &self.loaded.model
+    }
+    pub fn session(&mut self) -> &mut Session {
+        // Whoever drives the session directly may change its state behind the history's back.
+        self.history.clear();
+        &mut self.session
+    }
+    pub fn ctx(&self) -> usize {
+        self.session.ctx()
+    }
+
+    /// How many leading tokens of `prompt` the session holds already and `generate` would reuse:
+    /// all it holds when that is a prefix of `prompt`, else none.
+    pub fn reusable(&self, prompt: &[u32]) -> usize {
+        if !self.history.is_empty() && prompt.starts_with(&self.history) {
+            self.history.len()
+        } else {
+            0
+        }
+    }
+
+    /// Feeds `prompt` (reusing the state of a prefix already fed), then samples up to
+    /// `max_tokens` tokens, calling `on` for each event; `on` returning false stops the call
+    /// after that event. The last sampled token is not fed (nothing would read its logits).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        p: &GenParams,
+        mut on: impl FnMut(Event) -> bool,
+    ) -> Result<GenStats, EngineError> {
+        p.sampler.validate()?;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let ctx = self.session.ctx();
+        if prompt.len() > ctx {
+            return Err(EngineError::PromptTooLong { prompt: prompt.len(), ctx });
+        }
+        let t0 = Instant::now();
+        // Reuse only when everything the session holds is a prefix of the prompt. A prompt that
+        // diverges earlier starts over: the KV ring and the compressor and indexer state cannot be
+        // rolled back to an earlier position, only reset.
+        let reused = if p.logits { 0 } else { self.reusable(prompt) };
+        let history = std::mem::take(&mut self.history);
+        if reused == 0 && self.session.pos() > 0 {
+            self.session.reset()?;
+        }
+        let suffix = &prompt[reused..];
+        let mut stats = GenStats {
+            prompt_tokens: prompt.len(),
+            reused,
+            prefilled: suffix.len(),
+            generated: 0,
+            decoded: 0,
+            prefill_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            first_token: None,
+            stop: StopReason::Length,
+            tail: String::new(),
+        };
+        let mut fed = if reused > 0 { history } else { Vec::with_capacity(prompt.len()) };
+        let mut stopped = false;
+        let mut logits = if suffix.is_empty() {
+            // The whole prompt is held already: its last token's logits are the session's.
+            self.session.logits().to_vec()
+        } else if p.logits {
+            let mut l = Vec::new();
+            for (i, &t) in suffix.iter().enumerate() {
+                l = self.session.eval(t)?.to_vec();
+                fed.push(t);
+                if !(on(Event::Logits(&l)) && on(Event::Prefill { done: i + 1, total: suffix.len() })) {
+                    stopped = true;
+                    break;
+                }
+            }
+            l
+        } else {
+            let total = suffix.len();
+            let l = self.session.prefill(suffix, |done| {
+                // Prefill runs to the end: the state must match `fed`.
+                on(Event::Prefill { done, total });
+            })?;
+            fed.extend_from_slice(suffix);
+            l.to_vec()
+        };
+        stats.prefill_time = t0.elapsed();
+        if stopped {
+            self.history = fed;
+            stats.stop = StopReason::Callback;
+            return Ok(stats);
+        }
+
+        let n_gen = p.max_tokens.min(ctx - prompt.len());
+        let mut sampler = Sampler::new(p.sampler);
+        let tok = &self.loaded.tokenizer;
+        let eos = tok.specials().eos;
+        let mut text = StreamDecoder::new();
+        let t_decode = Instant::now();
+        for i in 0..n_gen {
+            let next = sampler.sample(&logits);
+            stats.generated += 1;
+            if stats.first_token.is_none() {
+                stats.first_token = Some(t0.elapsed());
+            }
+            let piece = if next == eos { String::new() } else { text.push(&tok.token_bytes(next).unwrap_or_default()) };
+            if !on(Event::Token { id: next, text: &piece }) {
+                stats.stop = StopReason::Callback;
+                break;
+            }
+            if next == eos && !p.ignore_eos {
+                stats.stop = StopReason::Eos;
+                break;
+            }
+            if i + 1 < n_gen {
+                logits = self.session.eval(next)?.to_vec();
+                fed.push(next);
+                stats.decoded += 1;
+                if p.logits && !on(Event::Logits(&logits)) {
+                    stats.stop = StopReason::Callback;
+                    break;
+                }
+            }
+        }
+        stats.decode_time = t_decode.elapsed();
+        stats.tail = text.finish();
+        self.history = fed;
+        Ok(stats)
+    }
+
+    /// The model, the session and the backend label, for callers that drive the session
+    /// themselves (`ds4 check`, `ds4 bench`).
+    pub fn into_parts(self) -> (Loaded, Session, String) {
+        (self.loaded, self.session, self.backend_label)
+    }
+
+    /// Diagnostics from the backend since the last call.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        self.session.take_warnings()
+    }
+}

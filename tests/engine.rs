@@ -1,0 +1,122 @@
+//! The engine API on the tiny preset: generation, prefix reuse against a fresh session, refused
+//! prompts, and the multi-turn chat template.
+
+use ds4::backend::BackendKind;
+use ds4::engine::{self, BackendChoice, Engine, EngineError, Event, GenParams, ModelSource, StopReason};
+use ds4::sample::SamplerConfig;
+use ds4::tokenizer::{standin_vocab, Role, ThinkMode, Tokenizer};
+
+fn tiny(ctx: usize) -> Engine {
+    let loaded = engine::load(&ModelSource::Preset("tiny".into())).unwrap();
+    let choice = BackendChoice { kind: Some(BackendKind::Cpu), threads: 1, graphs: false, numerics: None };
+    let (backend, note) = engine::make_backend(&choice).unwrap();
+    assert!(note.is_none());
+    Engine::new(loaded, backend.as_ref(), ctx, 1).unwrap()
+}
+
+fn greedy(n: usize) -> GenParams {
+    GenParams { sampler: SamplerConfig::default(), max_tokens: n, ignore_eos: true, logits: false }
+}
+
+/// The sampled ids and the stats.
+fn run(e: &mut Engine, prompt: &[u32], p: &GenParams) -> (Vec<u32>, engine::GenStats) {
+    let mut ids = Vec::new();
+    let stats = e
+        .generate(prompt, p, |ev| {
+            if let Event::Token { id, .. } = ev {
+                ids.push(id);
+            }
+            true
+        })
+        .unwrap();
+    (ids, stats)
+}
+
+#[test]
+fn prefix_reuse_gives_the_tokens_of_a_fresh_session() {
+    let mut e = tiny(64);
+    let first: Vec<u32> = vec![0, 300, 301, 302];
+    let (out1, s1) = run(&mut e, &first, &greedy(3));
+    assert_eq!((s1.reused, s1.prefilled, s1.generated, s1.decoded), (0, 4, 3, 2));
+    assert_eq!(s1.stop, StopReason::Length);
+    // The session holds the prompt and the two fed answer tokens; extend all of it.
+    let mut second = first.clone();
+    second.extend_from_slice(&out1[..2]);
+    second.extend_from_slice(&[310, 311]);
+    assert_eq!(e.reusable(&second), 6);
+    let (out2, s2) = run(&mut e, &second, &greedy(4));
+    assert_eq!((s2.reused, s2.prefilled), (6, 2));
+
+    let mut fresh = tiny(64);
+    let (want, s) = run(&mut fresh, &second, &greedy(4));
+    assert_eq!(s.reused, 0);
+    assert_eq!(out2, want);
+
+    // A prompt that diverges starts over, and still gives a fresh session's tokens.
+    let other: Vec<u32> = vec![0, 300, 450, 5];
+    assert_eq!(e.reusable(&other), 0);
+    let (got, s3) = run(&mut e, &other, &greedy(1));
+    assert_eq!(s3.reused, 0);
+    let (want, _) = run(&mut tiny(64), &other, &greedy(1));
+    assert_eq!(got, want);
+
+    // One token sampled, none fed: the session holds exactly the prompt. Asked again, nothing is
+    // prefilled and the same token comes.
+    let (again, s4) = run(&mut e, &other, &greedy(1));
+    assert_eq!((s4.reused, s4.prefilled), (4, 0));
+    assert_eq!(again, want);
+}
+
+#[test]
+fn a_callback_returning_false_stops_at_once() {
+    let mut e = tiny(64);
+    let mut n = 0;
+    let stats = e
+        .generate(&[0, 300], &greedy(50), |ev| {
+            if matches!(ev, Event::Token { .. }) {
+                n += 1;
+            }
+            n < 3
+        })
+        .unwrap();
+    assert_eq!(n, 3);
+    assert_eq!(stats.stop, StopReason::Callback);
+    assert_eq!(stats.generated, 3);
+}
+
+#[test]
+fn bad_prompts_are_errors() {
+    let mut e = tiny(8);
+    assert!(matches!(e.generate(&[], &greedy(1), |_| true), Err(EngineError::EmptyPrompt)));
+    let long = vec![300u32; 9];
+    assert!(matches!(e.generate(&long, &greedy(1), |_| true), Err(EngineError::PromptTooLong { prompt: 9, ctx: 8 })));
+    let mut p = greedy(1);
+    p.sampler.temperature = f32::NAN;
+    assert!(matches!(e.generate(&[0], &p, |_| true), Err(EngineError::Sampler(_))));
+    // Generation stops where the context ends.
+    let (_, s) = run(&mut e, &[0, 1, 2, 3, 4, 5], &greedy(100));
+    assert_eq!(s.generated, 2);
+}
+
+#[test]
+fn conversations_render_with_ds4s_template() {
+    let (tokens, merges) = standin_vocab(400).unwrap();
+    let tok = Tokenizer::from_vocab(tokens, merges).unwrap();
+    let s = *tok.specials();
+    for think in [ThinkMode::Think, ThinkMode::NoThink] {
+        assert_eq!(tok.render_conversation("Sys", &[(Role::User, "Hi")], think), tok.render_chat("Sys", "Hi", think));
+    }
+    let turns = [(Role::User, "a"), (Role::Assistant, "b"), (Role::User, "c")];
+    let got = tok.render_conversation("", &turns, ThinkMode::Think);
+    let mut want = vec![s.bos, s.user];
+    want.extend(tok.encode("a"));
+    want.extend([s.assistant, s.think_end]);
+    want.extend(tok.encode("b"));
+    want.extend([s.eos, s.user]);
+    want.extend(tok.encode("c"));
+    want.extend([s.assistant, s.think]);
+    assert_eq!(got, want);
+    // A follow-up starts with the earlier prompt rendered without thinking: prefix reuse.
+    let earlier = tok.render_conversation("", &turns[..1], ThinkMode::NoThink);
+    assert!(got.starts_with(&earlier));
+}
