@@ -432,7 +432,6 @@ mod imp {
             let arena = stream.alloc_zeros::<u8>(size).map_err(drv("cannot allocate the buffer arena"))?;
             let base = arena.device_ptr(&stream).0;
             let params = stream.alloc_zeros::<u32>(4).map_err(drv("cannot allocate the step parameters"))?;
-            let params_ptr = params.device_ptr(&stream).0;
 
             let mut funcs: Vec<(&'static str, CudaFunction)> = Vec::new();
             let mut launches = Vec::with_capacity(plan.launches.len());
@@ -460,7 +459,6 @@ mod imp {
                         PtrRef::Rope(i) => rope_ptrs[i as usize],
                     };
                 }
-                let _ = params_ptr;
                 launches.push(Resolved {
                     op: l.op,
                     kernel: l.kernel,
