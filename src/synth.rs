@@ -169,46 +169,41 @@ impl Rng {
     }
 }
 
-fn f16_bytes(x: f32) -> [u8; 2] {
-    quant::f32_to_f16(x).to_le_bytes()
-}
-
-/// Random tensor data of `ty` with element scale about `std`.
+/// Random tensor data of `ty` with element scale about `std`; the half-width and block scales
+/// come from [`random_constants`], which the GPU generator uses too.
 fn random_data(rng: &mut Rng, ty: GgmlType, elements: usize, std: f32) -> Vec<u8> {
-    // Uniform in [-a, a) has standard deviation a / sqrt(3).
-    let a = std * 3f32.sqrt();
+    let (a, d, dmin) = random_constants(ty, std);
+    let (d, dmin) = (d.to_le_bytes(), dmin.to_le_bytes());
     let blocks = elements / ty.block_elems();
     let mut out = Vec::with_capacity(blocks * ty.block_bytes());
     match ty {
         GgmlType::F32 => (0..elements).for_each(|_| out.extend_from_slice(&(rng.uniform() * a).to_le_bytes())),
-        GgmlType::F16 => (0..elements).for_each(|_| out.extend_from_slice(&f16_bytes(rng.uniform() * a))),
+        GgmlType::F16 => {
+            (0..elements).for_each(|_| out.extend_from_slice(&quant::f32_to_f16(rng.uniform() * a).to_le_bytes()))
+        }
         GgmlType::Q8_0 => {
-            // q uniform in [-127, 127] has std ~73.
             for _ in 0..blocks {
-                out.extend_from_slice(&f16_bytes(std / 73.0));
+                out.extend_from_slice(&d);
                 (0..32).for_each(|_| out.push((rng.uniform() * 127.0).round() as i8 as u8));
             }
         }
         GgmlType::IQ2_XXS => {
-            // |w| = d * (2s+1)/8 * grid, grid in {8, 25, 43}, s uniform in 0..16: about 50 d.
             for _ in 0..blocks {
-                out.extend_from_slice(&f16_bytes(std / 50.0));
+                out.extend_from_slice(&d);
                 rng.bytes(&mut out, 64);
             }
         }
         GgmlType::Q2_K => {
-            // w = d * sc * q - dmin * m with sc, m < 16 and q < 4: about 6 d around its mean.
             for _ in 0..blocks {
                 rng.bytes(&mut out, 80);
-                out.extend_from_slice(&f16_bytes(std / 6.0));
-                out.extend_from_slice(&f16_bytes(std / 12.0));
+                out.extend_from_slice(&d);
+                out.extend_from_slice(&dmin);
             }
         }
         GgmlType::Q4_K => {
-            // w = d * sc * q - dmin * m with 6-bit sc, m and 4-bit q: about 80 d around its mean.
             for _ in 0..blocks {
-                out.extend_from_slice(&f16_bytes(std / 80.0));
-                out.extend_from_slice(&f16_bytes(std / 160.0));
+                out.extend_from_slice(&d);
+                out.extend_from_slice(&dmin);
                 rng.bytes(&mut out, 140);
             }
         }
@@ -259,10 +254,15 @@ impl Synthetic {
 pub fn random_constants(ty: GgmlType, std: f32) -> (f32, u16, u16) {
     let h = |x: f32| quant::f32_to_f16(x);
     match ty {
+        // q uniform in [-127, 127] has std ~73.
         GgmlType::Q8_0 => (0.0, h(std / 73.0), 0),
+        // |w| = d * (2s+1)/8 * grid, grid in {8, 25, 43}, s uniform in 0..16: about 50 d.
         GgmlType::IQ2_XXS => (0.0, h(std / 50.0), 0),
+        // w = d * sc * q - dmin * m with sc, m < 16 and q < 4: about 6 d around its mean.
         GgmlType::Q2_K => (0.0, h(std / 6.0), h(std / 12.0)),
+        // w = d * sc * q - dmin * m with 6-bit sc, m and 4-bit q: about 80 d around its mean.
         GgmlType::Q4_K => (0.0, h(std / 80.0), h(std / 160.0)),
+        // Uniform in [-a, a) has standard deviation a / sqrt(3).
         _ => (std * 3f32.sqrt(), 0, 0),
     }
 }
