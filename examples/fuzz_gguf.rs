@@ -6,7 +6,7 @@
 //!     cargo run --release --example fuzz_gguf -- [--cases N] [--threads T] [--seed S] [--golden DIR]
 //!     cargo run --release --example fuzz_gguf -- --replay CASE   # rerun one case, write it to fuzz-CASE.gguf
 //!
-//! Seeds: the golden tiny model and tokenizer (from `--golden`, default `../shared/golden`, when
+//! Seeds: the golden tiny model and tokenizer (from `--golden`, default `tests/data/golden`, when
 //! present; the tokenizer's arrays cut to their first entries so a case stays fast), the
 //! embedded tiny synthetic model, and a small file holding every metadata value type. A case picks
 //! a seed, rewrites fields found by walking its layout (counts, lengths, types, dims, offsets) with
@@ -330,7 +330,7 @@ fn main() {
     let mut cases: u64 = 100_000;
     let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut seed: u64 = 1;
-    let mut golden = PathBuf::from("../shared/golden");
+    let mut golden = PathBuf::from("tests/data/golden");
     let mut replay: Option<u64> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {

@@ -3,6 +3,8 @@
 //! quietly with success. Property tests cover random sampling option values, random bytes and
 //! arbitrary Unicode as prompts, and the tokenizer's round trip.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -12,9 +14,7 @@ use ds4::quant::GgmlType;
 use ds4::tokenizer::Tokenizer;
 use proptest::prelude::*;
 
-fn golden(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden").join(rel)
-}
+use common::golden;
 
 fn tiny() -> String {
     golden("tiny-a/model.gguf").to_str().unwrap().to_string()

@@ -1,12 +1,12 @@
 //! The `ds4` binary end to end: generation against ds4's own argmax, logits dumps against the
 //! golden logits, tokenization against HF's ids, and one-line errors.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn golden(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden").join(rel)
-}
+use common::golden;
 
 fn ds4(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ds4")).args(args).output().unwrap()

@@ -2,6 +2,8 @@
 //! `#[ignore]`d in a plain `cargo test` (CI has no GPU) and reported as ignored, not passed;
 //! `scripts/gpu-check` runs them with `--ignored` on a GPU machine, where a missing GPU fails.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -12,15 +14,7 @@ use ds4::numerics::Numerics;
 use ds4::recorder::StepParams;
 use ds4::session::Session;
 
-fn golden(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden").join(rel)
-}
-
-fn golden_tokens() -> Vec<u32> {
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden("tiny-a/tokens.json")).unwrap()).unwrap();
-    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
-}
+use common::{golden, golden_tokens};
 
 fn cuda(graphs: bool) -> Box<dyn ds4::backend::Backend> {
     let opts = BackendOptions { threads: 0, graphs, numerics: Numerics::Canonical };

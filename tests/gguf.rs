@@ -1,15 +1,15 @@
 //! The GGUF reader: real files load, the writer round-trips every value type, and each kind of
 //! corruption gives its own error (never a panic).
 
+mod common;
+
 use std::path::PathBuf;
 
 use ds4::gguf::{self, File, GgufProblem, Value, ValueType, Writer};
 use ds4::quant::GgmlType;
 use proptest::prelude::*;
 
-fn golden(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden").join(rel)
-}
+use common::golden;
 
 #[test]
 fn golden_files_load() {

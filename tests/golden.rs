@@ -1,5 +1,7 @@
 //! Teacher-forced decode of the golden tiny-a model against ds4's own CPU logits.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -8,7 +10,7 @@ use ds4::model::Model;
 use ds4::session::Session;
 
 fn golden_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden/tiny-a")
+    common::golden("tiny-a")
 }
 
 struct Golden {

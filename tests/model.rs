@@ -1,6 +1,8 @@
 //! Model config and tensor binding: any size of the architecture, per-layer expert types, and a
 //! clear error for each kind of mismatch. Also `ds4 inspect` and `ds4 synth` end to end.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -10,7 +12,7 @@ use ds4::quant::GgmlType;
 use ds4::synth::{self, Preset};
 
 fn tiny_a() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden/tiny-a/model.gguf")
+    common::golden("tiny-a/model.gguf")
 }
 
 fn ds4() -> Command {

@@ -1,6 +1,8 @@
 //! The canonical numerics profile on the CPU: the same bits for any thread count, and the same
 //! mathematics as the ds4 profile (each op fed identical inputs, `ds4 check --isolate`).
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -12,15 +14,7 @@ use ds4::numerics::Numerics;
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
 
-fn golden(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden").join(rel)
-}
-
-fn golden_tokens() -> Vec<u32> {
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden("tiny-a/tokens.json")).unwrap()).unwrap();
-    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
-}
+use common::{golden, golden_tokens};
 
 /// Logits of every step as raw bits: teacher-forced on `tokens`, then greedy for `extra` steps.
 fn logit_bits(model: &Arc<Model>, threads: usize, tokens: &[u32], extra: usize, ctx: usize) -> Vec<Vec<u32>> {

@@ -1,20 +1,21 @@
 //! Block formats against golden data (dequantized by gguf-py), dot products against an
 //! independent f64 reference, and properties of the activation quantizers.
 
+mod common;
+
 use ds4::quant::{
     dequantize_row, dot_f16_f32, dot_f32_f32, dot_iq2_xxs_q8_k, dot_q2_k_q8_k, dot_q4_k_q8_k, dot_q8_0, f16_to_f32,
     quantize_q8_0, quantize_q8_k, BlockQ8K, GgmlType, QuantError, QK8_0, QK_K,
 };
 use proptest::prelude::*;
 
-const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/golden/quants");
 const ROWS: usize = 8;
 const COLS: usize = 1024;
 
 /// Reads a golden file; a missing file fails the test.
 fn golden(name: &str) -> Vec<u8> {
-    let path = format!("{GOLDEN}/{name}");
-    std::fs::read(&path).unwrap_or_else(|e| panic!("golden file {path} is required: {e}"))
+    let path = common::golden("quants").join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("golden file {} is required: {e}", path.display()))
 }
 
 /// Raw weight rows of a golden type.

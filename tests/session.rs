@@ -1,6 +1,8 @@
 //! Recorder and session semantics: one program for every position, determinism, and clean
 //! errors at the context limit.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -12,14 +14,10 @@ use ds4::session::{Session, SessionError};
 use ds4::synth::{self, Preset};
 
 fn tiny_a() -> Arc<Model> {
-    Model::open(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden/tiny-a/model.gguf")).unwrap()
+    Model::open(common::golden("tiny-a/model.gguf")).unwrap()
 }
 
-fn golden_tokens() -> Vec<u32> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden/tiny-a/tokens.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
-}
+use common::golden_tokens;
 
 fn run(s: &mut Session, tokens: &[u32]) -> Vec<Vec<f32>> {
     tokens.iter().map(|&t| s.eval(t).unwrap().to_vec()).collect()

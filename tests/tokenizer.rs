@@ -1,5 +1,7 @@
 //! Tokenizer tests against the golden DeepSeek V4 vocabulary and the tiny-a stand-in vocabulary.
-//! Missing golden files fail the tests: they are part of the repository's shared data.
+//! Missing golden files fail the tests: they are part of the repository (`tests/data/golden`).
+
+mod common;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -8,9 +10,7 @@ use std::time::Instant;
 use ds4::gguf;
 use ds4::tokenizer::{standin_vocab, StreamDecoder, ThinkMode, Tokenizer, TokenizerError};
 
-fn golden(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden").join(rel)
-}
+use common::golden;
 
 fn open(rel: &str) -> gguf::File {
     let path = golden(rel);

@@ -67,10 +67,9 @@ pub struct Plan {
 
 const Q8K_BLOCK_BYTES: usize = 292;
 /// Whether a norm that feeds a Q8_0 matvec also writes the quantization, so the matvec skips its
-/// own quantize launch (130 launches fewer per Flash token). Off until `scripts/gpu-check` has
-/// passed with it: the plan test below checks the bookkeeping, but the matvecs reading the norm's
-/// quantization have not run on a GPU yet (the session that wrote it ran out of device time).
-const FUSE_NORM_Q8: bool = false;
+/// own quantize launch (130 launches fewer per Flash token). The plan test below checks the
+/// bookkeeping; `scripts/gpu-check` checks the bits.
+const FUSE_NORM_Q8: bool = true;
 
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
 const SPLIT_K_ROWS: usize = 2048;
