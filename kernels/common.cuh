@@ -15,10 +15,23 @@ __device__ __forceinline__ bool ds4_cond(const StepParams* P, u64 cond) {
     return (P->pos + 1) / ratio > top_k;
 }
 
+// Programmatic dependent launch (sm_90 on): the host may start a kernel while the one before it
+// finishes. Each kernel first waits until its predecessor has completed and its writes are
+// visible (a no-op when launched without it), then lets its own successor start launching.
+// Waiting before any memory access keeps completion transitive along the stream.
+__device__ __forceinline__ void ds4_wait_predecessor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Every kernel starts with these two parameters and this guard, so a predicated op is a launch
 // that returns at once: the launch list (and a captured graph) never changes.
 #define DS4_ARGS const StepParams* __restrict__ P, u64 cond
-#define DS4_GUARD if (!ds4_cond(P, cond)) return
+#define DS4_GUARD                \
+    ds4_wait_predecessor();      \
+    if (!ds4_cond(P, cond)) return
 
 // Visible rows, as `recorder::Bound` computes them.
 __device__ __forceinline__ u32 ds4_raw_rows(const StepParams* P, u32 window, u32 cap) {

@@ -161,7 +161,7 @@ mod imp {
     const COMPILE_FLAGS: (bool, bool, bool, bool) = (false, true, true, false);
 
     /// Draws a synthetic weight in device memory (kernels/synth.cu), as `synth::tensor_data`
-    /// would on the host; Q8_0 straight into the repacked layout.
+    /// would on the host; block types straight into the split layout (`args::BLOCK_SPLITS`).
     fn generate(
         stream: &Arc<CudaStream>,
         func: &CudaFunction,
@@ -200,15 +200,19 @@ mod imp {
             dmin,
             n_expert,
             n_used,
-            repack: (t.ty == GgmlType::Q8_0) as u32,
+            repack: args::block_split(t.ty).is_some() as u32,
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-        launch_with(stream, func, 0, grid, 256, 0, &words).map_err(drv(&format!("cannot generate '{}'", t.name)))?;
+        launch_with(stream, func, 0, grid, 256, 0, &words, false).map_err(drv(&format!("cannot generate '{}'", t.name)))?;
         Ok(d)
     }
 
-    /// Launches `func(P, cond, args)`: `args` is the kernel's argument struct as words.
+    /// Launches `func(P, cond, args)`: `args` is the kernel's argument struct as words. With `pdl`
+    /// the launch may begin while the previous kernel on the stream finishes (programmatic
+    /// dependent launch, sm_90 on): every kernel waits for its predecessor (`griddepcontrol.wait`
+    /// in DS4_GUARD, kernels/common.cuh) before it touches memory, so only the launch overlaps.
+    #[allow(clippy::too_many_arguments)]
     fn launch_with(
         stream: &CudaStream,
         func: &CudaFunction,
@@ -217,34 +221,45 @@ mod imp {
         block: u32,
         cond: u64,
         args: &[u64],
+        pdl: bool,
     ) -> Result<(), result::DriverError> {
+        use cudarc::driver::sys;
         let mut p = params;
         let mut c = cond;
         let mut a = args.to_vec();
         let mut ptrs: Vec<*mut c_void> =
             vec![&mut p as *mut u64 as *mut c_void, &mut c as *mut u64 as *mut c_void, a.as_mut_ptr() as *mut c_void];
-        // SAFETY: the kernel's parameters are (const StepParams*, u64, XArgs); `a` holds the
-        // bytes of XArgs (the struct args.rs declares and the kernel source is generated from),
-        // and the driver copies all three before returning. Every pointer inside `a` is inside an
-        // allocation the caller owns; a null `params` is only given with `cond` 0 (always run),
-        // which never reads it.
-        unsafe {
-            result::launch_kernel(func.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream.cu_stream(), &mut ptrs)
+        if !pdl {
+            // SAFETY: the kernel's parameters are (const StepParams*, u64, XArgs); `a` holds the
+            // bytes of XArgs (the struct args.rs declares and the kernel source is generated
+            // from), and the driver copies all three before returning. Every pointer inside `a`
+            // is inside an allocation the caller owns; a null `params` is only given with `cond`
+            // 0 (always run), which never reads it.
+            return unsafe {
+                result::launch_kernel(func.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream.cu_stream(), &mut ptrs)
+            };
         }
-    }
-
-    /// Q8_0 blocks as the kernels read them: all quants first (32 bytes per block, so a block is
-    /// two 16-byte loads), then all the f16 scales. GGUF's 34-byte blocks are only 2-byte aligned.
-    /// Same bytes, reordered: the values and so the results do not change.
-    pub fn repack_q8_0(data: &[u8]) -> Vec<u8> {
-        let blocks = data.len() / 34;
-        let mut out = vec![0u8; blocks * 34];
-        let (quants, scales) = out.split_at_mut(blocks * 32);
-        for (i, b) in data.chunks_exact(34).enumerate() {
-            scales[2 * i..2 * i + 2].copy_from_slice(&b[..2]);
-            quants[32 * i..32 * i + 32].copy_from_slice(&b[2..]);
-        }
-        out
+        // SAFETY: a zeroed attribute is a valid plain-data value; its id and the union field
+        // that id selects are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as above for the parameters; `config` and `attr` outlive the call, which
+        // copies them.
+        unsafe { sys::cuLaunchKernelEx(&config, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
     }
 
     pub struct CudaBackend {
@@ -321,6 +336,8 @@ mod imp {
         /// Steps run so far (for the failure-injection test hook).
         tokens: u64,
         inject: Option<GraphFailure>,
+        /// Programmatic dependent launch (sm_90 on; `DS4_CUDA_PDL=0` turns it off).
+        pdl: bool,
     }
 
     impl CudaExecutable {
@@ -393,15 +410,8 @@ mod imp {
                 if !model.file.has_data() {
                     return Err(err(format!("tensor '{}' has neither host data nor a recipe", t.name)));
                 }
-                let data = model.data(t);
-                let repacked;
-                let bytes = if t.ty == crate::quant::GgmlType::Q8_0 {
-                    repacked = repack_q8_0(data);
-                    &repacked[..]
-                } else {
-                    data
-                };
-                let d = stream.clone_htod(bytes).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
+                let bytes = args::repack_blocks(t.ty, model.data(t));
+                let d = stream.clone_htod(&bytes[..]).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
                 weight_ptrs.push(d.device_ptr(&stream).0);
                 weights.push(d);
             }
@@ -484,6 +494,7 @@ mod imp {
                 warnings: Vec::new(),
                 tokens: 0,
                 inject: None,
+                pdl: major >= 9 && std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
             };
             exe.reset()?;
             Ok(exe)
@@ -521,7 +532,7 @@ mod imp {
             cond: u64,
             args: &[u64],
         ) -> Result<(), result::DriverError> {
-            launch_with(&self.stream, func, self.params.device_ptr(&self.stream).0, grid, block, cond, args)
+            launch_with(&self.stream, func, self.params.device_ptr(&self.stream).0, grid, block, cond, args, self.pdl)
         }
 
         fn capture(&self) -> Result<CudaGraph, result::DriverError> {
