@@ -683,25 +683,3 @@ mod tests {
         assert_eq!(unpack(pack_cond(Some(Cond::IndexerActive { ratio: 4, top_k: 512 }))), (2, 4, 512));
     }
 }
-#[cfg(test)]
-mod dump_tmp {
-    use super::*;
-    use crate::decode::{record_token, Caps};
-    use crate::synth::{self, Preset};
-    #[test]
-    fn dump_flash_launches() {
-        let model = synth::device_model(&Preset::flash(), 1).unwrap();
-        let program = record_token(&model, Caps { ctx: 2048 }).unwrap();
-        let plan = plan(&program).unwrap();
-        let mut counts = std::collections::BTreeMap::new();
-        for l in &plan.launches { *counts.entry(l.kernel).or_insert(0) += 1; }
-        println!("total {}", plan.launches.len());
-        for (k, c) in &counts { println!("{k:24} {c}"); }
-        let mut last = usize::MAX;
-        for l in plan.launches.iter().take(140) {
-            let step = &program.steps()[l.op];
-            if l.op != last { println!("op {} {:?}", l.op, format!("{:?}", step.op).chars().take(110).collect::<String>()); last = l.op; }
-            println!("    {} grid {} block {} cond {}", l.kernel, l.grid, l.block, l.cond);
-        }
-    }
-}
