@@ -32,6 +32,14 @@ __device__ __forceinline__ void ds4_wait_predecessor() {
 #define DS4_GUARD                \
     ds4_wait_predecessor();      \
     if (!ds4_cond(P, cond)) return
+// For kernels that load their weights before waiting (weights never change during a token; the
+// step parameters are written before the token starts): the predicate first, then the weight
+// loads, then ds4_wait_predecessor() before reading anything an earlier kernel writes.
+#define DS4_GUARD_EARLY              \
+    if (!ds4_cond(P, cond)) {        \
+        ds4_wait_predecessor();      \
+        return;                      \
+    }
 
 // Visible rows, as `recorder::Bound` computes them.
 __device__ __forceinline__ u32 ds4_raw_rows(const StepParams* P, u32 window, u32 cap) {

@@ -20,11 +20,10 @@ extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
     if (lane == 0) a.xd[b] = d;
 }
 
-// Q8_0 weights are repacked at upload (backends/cuda: repack_q8_0): all quants (32 bytes per
-// block), then all f16 scales. A lane reads one block as two 16-byte loads.
+// Q8_0 weights are in the split layout (backends/cuda/args.rs: BLOCK_SPLITS): all quants (32
+// bytes per block), then all f16 scales. A lane reads one block as two 16-byte loads.
 // Block b's term: (f16(d_w) * d_x) * isum, the integer dot exact.
-__device__ __forceinline__ float q8_0_term(const int4* wq, const u16* ws, const int4* x4, const float* dx, u32 b) {
-    const int4 w0 = wq[2 * b], w1 = wq[2 * b + 1];
+__device__ __forceinline__ float q8_0_term(int4 w0, int4 w1, u16 ws, const int4* x4, const float* dx, u32 b) {
     const int4 x0 = x4[2 * b], x1 = x4[2 * b + 1];
     int isum = 0;
     isum = __dp4a(w0.x, x0.x, isum);
@@ -35,39 +34,78 @@ __device__ __forceinline__ float q8_0_term(const int4* wq, const u16* ws, const 
     isum = __dp4a(w1.y, x1.y, isum);
     isum = __dp4a(w1.z, x1.z, isum);
     isum = __dp4a(w1.w, x1.w, isum);
-    return h2f(ws[b]) * dx[b] * (float)isum;
+    return h2f(ws) * dx[b] * (float)isum;
 }
 
+// Chunks whose weights a lane loads before waiting for the previous kernel.
+#define Q8_EARLY_CHUNKS 4
+
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
-    DS4_GUARD;
+    DS4_GUARD_EARLY;
     const u32 lane = threadIdx.x & 31;
     const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= a.rows) return;
+    const bool live = r < a.rows;
     const u32 nb = a.in_dim / 32;
-    const u32 g = r / a.rows_per_group;
     const int4* wq = (const int4*)(a.w + (u64)r * nb * 32);
     const u16* ws = (const u16*)(a.w + (u64)a.rows * nb * 32) + (u64)r * nb;
+    int4 w0[Q8_EARLY_CHUNKS], w1[Q8_EARLY_CHUNKS];
+    u16 s[Q8_EARLY_CHUNKS];
+#pragma unroll
+    for (u32 u = 0; u < Q8_EARLY_CHUNKS; u++) {
+        const u32 b = u * DS4_BLOCK_CHUNK + lane;
+        if (live && b < nb) {
+            w0[u] = __ldg(wq + 2 * b);
+            w1[u] = __ldg(wq + 2 * b + 1);
+            s[u] = __ldg(ws + b);
+        }
+    }
+    ds4_wait_predecessor();
+    if (!live) return;
+    const u32 g = r / a.rows_per_group;
     const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
     const float* dx = a.xd + (u64)g * nb;
     float total = 0.0f;
-#pragma unroll 4
-    for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
+#pragma unroll
+    for (u32 u = 0; u < Q8_EARLY_CHUNKS; u++) {
+        const u32 c = u * DS4_BLOCK_CHUNK;
+        if (c < nb) {
+            float acc = 0.0f;
+            if (c + lane < nb) acc += q8_0_term(w0[u], w1[u], s[u], x4, dx, c + lane);
+            total += warp_sum(acc);
+        }
+    }
+    for (u32 c = Q8_EARLY_CHUNKS * DS4_BLOCK_CHUNK; c < nb; c += DS4_BLOCK_CHUNK) {
         float acc = 0.0f;
-        if (c + lane < nb) acc += q8_0_term(wq, ws, x4, dx, c + lane);
+        const u32 b = c + lane;
+        if (b < nb) acc += q8_0_term(__ldg(wq + 2 * b), __ldg(wq + 2 * b + 1), __ldg(ws + b), x4, dx, b);
         total += warp_sum(acc);
     }
     if (lane == 0) a.out[r] = total;
 }
 
-// Lane sum of one 512-term chunk of an F16 row (8 consecutive terms per lane step), from +0.
-// `n` is the number of terms left (a multiple of 8).
-__device__ __forceinline__ float chunk_dot_f16(const u16* w, const float* x, u32 n, u32 lane) {
+// The 16 halves a lane reads of one 512-term chunk of an F16 row (8 consecutive per lane step);
+// `n` is the number of terms left (a multiple of 8). Lanes past the row's end read nothing.
+struct F16Chunk {
+    uint4 q[2];
+};
+__device__ __forceinline__ F16Chunk load_chunk_f16(const u16* w, u32 n, u32 lane) {
+    F16Chunk c;
+#pragma unroll
+    for (u32 u = 0; u < 2; u++) {
+        const u32 i = u * 256 + lane * 8;
+        c.q[u] = i < n ? __ldg((const uint4*)(w + i)) : make_uint4(0, 0, 0, 0);
+    }
+    return c;
+}
+
+// Lane sum of one chunk from its loaded halves, from +0, in the canonical order.
+__device__ __forceinline__ float chunk_dot_f16(const F16Chunk& c, const float* x, u32 n, u32 lane) {
     float acc = 0.0f;
 #pragma unroll
     for (u32 u = 0; u < 2; u++) {
         const u32 i = u * 256 + lane * 8;
         if (i < n) {
-            const uint4 q = *(const uint4*)(w + i);
+            const uint4 q = c.q[u];
             const float4 p = *(const float4*)(x + i), s = *(const float4*)(x + i + 4);
             acc += h2f((u16)(q.x & 0xffff)) * p.x;
             acc += h2f((u16)(q.x >> 16)) * p.y;
@@ -82,17 +120,32 @@ __device__ __forceinline__ float chunk_dot_f16(const u16* w, const float* x, u32
     return acc;
 }
 
+#define F16_EARLY_CHUNKS 2
+
 // One warp per row, all chunks.
 extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
-    DS4_GUARD;
+    DS4_GUARD_EARLY;
     const u32 lane = threadIdx.x & 31;
     const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= a.rows) return;
+    const bool live = r < a.rows;
     const u16* row = a.w + (u64)r * a.in_dim;
+    F16Chunk early[F16_EARLY_CHUNKS];
+#pragma unroll
+    for (u32 u = 0; u < F16_EARLY_CHUNKS; u++) {
+        const u32 c = u * DS4_CHUNK;
+        if (live && c < a.in_dim) early[u] = load_chunk_f16(row + c, a.in_dim - c, lane);
+    }
+    ds4_wait_predecessor();
+    if (!live) return;
     const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
     float total = 0.0f;
-#pragma unroll 4
-    for (u32 c = 0; c < a.in_dim; c += DS4_CHUNK) total += warp_sum(chunk_dot_f16(row + c, xg + c, a.in_dim - c, lane));
+#pragma unroll
+    for (u32 u = 0; u < F16_EARLY_CHUNKS; u++) {
+        const u32 c = u * DS4_CHUNK;
+        if (c < a.in_dim) total += warp_sum(chunk_dot_f16(early[u], xg + c, a.in_dim - c, lane));
+    }
+    for (u32 c = F16_EARLY_CHUNKS * DS4_CHUNK; c < a.in_dim; c += DS4_CHUNK)
+        total += warp_sum(chunk_dot_f16(load_chunk_f16(row + c, a.in_dim - c, lane), xg + c, a.in_dim - c, lane));
     if (lane == 0) a.out[r] = total;
 }
 
@@ -100,15 +153,19 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
 // block to finish (a ticket counter, reset by that block for the next launch) adds each row's
 // chunk sums in order from +0: the same bits as one warp doing the whole row.
 extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs a) {
-    DS4_GUARD;
+    DS4_GUARD_EARLY;
     __shared__ bool last;
     const u32 lane = threadIdx.x & 31;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (wid < a.rows * a.n_chunks) {
-        const u32 r = wid / a.n_chunks, c = (wid % a.n_chunks) * DS4_CHUNK;
-        const u16* row = a.w + (u64)r * a.in_dim;
+    const bool live = wid < a.rows * a.n_chunks;
+    const u32 r = live ? wid / a.n_chunks : 0, c = live ? (wid % a.n_chunks) * DS4_CHUNK : 0;
+    const u16* row = a.w + (u64)r * a.in_dim;
+    F16Chunk chunk;
+    if (live) chunk = load_chunk_f16(row + c, a.in_dim - c, lane);
+    ds4_wait_predecessor();
+    if (live) {
         const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
-        const float s = warp_sum(chunk_dot_f16(row + c, xg + c, a.in_dim - c, lane));
+        const float s = warp_sum(chunk_dot_f16(chunk, xg + c, a.in_dim - c, lane));
         if (lane == 0) a.partial[wid] = s;
     }
     __threadfence();
