@@ -121,25 +121,17 @@ extern "C" __global__ void quantize_q8_k(DS4_ARGS, const QuantizeQ8KArgs a) {
     if (t == 0) o->d = 1.0f / iscale;
 }
 
-// Q4_K 6-bit scale and min of sub-block j (0..8).
-__device__ __forceinline__ void q4k_scale_min(int j, const u8* s, int* sc, int* m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 // Expert weights are in the split layout (ds4_block_split): the quants of every block (64 bytes
 // for IQ2_XXS and Q2_K, 128 for Q4_K), then the rest of each block (d, scales). A lane reads 16
-// quant bytes of one block (one load), so L = quants / 16 lanes share a block and a warp covers
-// 32 / L blocks per pass. Lanes add integer sums (exact in any order); the block terms then add in
-// the canonical order.
+// quant bytes of one block (one load): L = quants / 16 lanes share a block and a warp covers
+// 32 / L blocks per pass. Rows that multiply the same activations (gate and up, or neighbouring
+// output rows) are done by one warp, so each lane reads its share of the activations once for
+// all of them. Lanes add integer sums (exact in any order); the block terms then add in the
+// canonical order (row_total).
 #define MOE_MAX_BLOCKS 64
+#define MOE_ROWS_PER_WARP 2
 
-// A row of an expert tensor: its first block's quants and rest, and the block counts.
+// A row of an expert tensor: its first block's quants and rest (null quants: no row).
 struct ExpertRow {
     const u8* qs;
     const u8* rest;
@@ -152,101 +144,187 @@ __device__ __forceinline__ ExpertRow expert_row(const u8* tensor, u32 ty, u64 to
     r.rest = tensor + total_blocks * nq + first_block * (bb - nq);
     return r;
 }
-__device__ __forceinline__ u32 quant_bytes(u32 ty) { return ty == 12 ? 128 : 64; }
-__device__ __forceinline__ u32 rest_bytes(u32 ty) { return ty == 16 ? 2 : (ty == 10 ? 20 : 16); }
+__device__ __forceinline__ ExpertRow no_row() {
+    ExpertRow r;
+    r.qs = 0;
+    r.rest = 0;
+    return r;
+}
 
-// IQ2_XXS sub-block (32 values) from its two words: 4 grid bytes; 4x7 sign bits + a 4-bit scale.
-__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, const int* q8, const u64* grid) {
+template <u32 TY> struct Layout {
+    static constexpr u32 NQ = TY == 12 ? 128 : 64;                   // quant bytes per block
+    static constexpr u32 RB = TY == 16 ? 2 : (TY == 10 ? 20 : 16);   // rest bytes per block
+    static constexpr u32 L = NQ / 16;                                // lanes per block
+    static constexpr u32 BPP = 32 / L;                               // blocks per warp pass
+};
+
+// IQ2_XXS sub-block (32 values) from its two words (4 grid indices; 4x7 sign bits and a 4-bit
+// scale) and its 32 activation bytes qa, qb. `signs[i]` has byte j = 0xff where bit j of i and
+// its parity bit (the count of negatives is even) is set. Grid bytes are 8, 25 or 43, so the
+// negation (v ^ 0xff) + 1 of a byte never carries into the next.
+__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u64* grid, const u64* signs) {
+    const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
     int sumi = 0;
 #pragma unroll
     for (int l = 0; l < 4; l++) {
         const u64 g = grid[(aux0 >> (8 * l)) & 255];
-        u32 signs = (aux1 >> (7 * l)) & 127;
-        signs |= (u32)(__popc(signs) & 1) << 7;  // parity bit: the count of negatives is even
-        // Byte j of the mask is 0xff where sign bit j is set; (v ^ m) - m negates those bytes.
-        const u32 mlo = (((signs & 15) * 0x00204081u) & 0x01010101u) * 0xffu;
-        const u32 mhi = (((signs >> 4) * 0x00204081u) & 0x01010101u) * 0xffu;
-        sumi = __dp4a((int)__vsub4((u32)g ^ mlo, mlo), q8[2 * l], sumi);
-        sumi = __dp4a((int)__vsub4((u32)(g >> 32) ^ mhi, mhi), q8[2 * l + 1], sumi);
+        const u64 m = signs[(aux1 >> (7 * l)) & 127];
+        const u32 mlo = (u32)m, mhi = (u32)(m >> 32);
+        sumi = __dp4a((int)(((u32)g ^ mlo) + (mlo & 0x01010101u)), q8[2 * l], sumi);
+        sumi = __dp4a((int)(((u32)(g >> 32) ^ mhi) + (mhi & 0x01010101u)), q8[2 * l + 1], sumi);
     }
     return sumi * (2 * (int)(aux1 >> 28) + 1);
 }
 
-// Integer sums of part p (16 quant bytes `w`) of one block: `isum` takes the scaled quant·q8
-// products, `summ` the scaled mins times the q8 sums (Q2_K / Q4_K). `rest` is the block's rest.
-__device__ __forceinline__ void part_sums(u32 ty, int4 w, const u8* rest, const BlockQ8K* y, u32 p, const u64* grid,
-                                          int* isum, int* summ) {
-    const u32 wv[4] = {(u32)w.x, (u32)w.y, (u32)w.z, (u32)w.w};
-    if (ty == 16) {  // part p: sub-blocks 2p and 2p+1
-        const int* q8 = (const int*)(y->qs + 64 * p);
-        *isum = iq2_xxs_sub(wv[0], wv[1], q8, grid) + iq2_xxs_sub(wv[2], wv[3], q8 + 8, grid);
-        *summ = 0;
-    } else if (ty == 10) {  // part p: 128-value chunk p/2, 16-byte half p%2, all four 2-bit planes
-        const u32 chunk = p >> 1, half = p & 1;
-        int is_ = 0, sm = 0;
-#pragma unroll
-        for (u32 j = 0; j < 4; j++) {
-            const int* q8 = (const int*)(y->qs + 128 * chunk + 32 * j + 16 * half);
-            int s = 0;
-#pragma unroll
-            for (u32 t = 0; t < 4; t++) s = __dp4a((int)((wv[t] >> (2 * j)) & 0x03030303u), q8[t], s);
-            const u32 k = 8 * chunk + 2 * j + half;
-            is_ += (rest[k] & 15) * s;
-            sm += (rest[k] >> 4) * y->bsums[k];
-        }
-        *isum = is_;
-        *summ = sm;
-    } else {  // Q4_K, part p: sub-blocks 2(p/2) (low nibbles) and 2(p/2)+1 (high), 16-byte half p%2
-        const u32 t = p >> 1, half = p & 1;
-        const int* qlo = (const int*)(y->qs + 64 * t + 16 * half);
-        const int* qhi = qlo + 8;
-        int slo = 0, shi = 0;
-#pragma unroll
-        for (u32 i = 0; i < 4; i++) {
-            slo = __dp4a((int)(wv[i] & 0x0f0f0f0fu), qlo[i], slo);
-            shi = __dp4a((int)((wv[i] >> 4) & 0x0f0f0f0fu), qhi[i], shi);
-        }
-        int sc0, m0, sc1, m1;
-        q4k_scale_min(2 * t, rest + 4, &sc0, &m0);
-        q4k_scale_min(2 * t + 1, rest + 4, &sc1, &m1);
-        *isum = sc0 * slo + sc1 * shi;
-        *summ = half ? 0 : m0 * (y->bsums[4 * t] + y->bsums[4 * t + 1]) + m1 * (y->bsums[4 * t + 2] + y->bsums[4 * t + 3]);
+// Byte i (0..11) of the Q4_K scales held in three words.
+__device__ __forceinline__ int q4k_byte(u32 i, u32 s0, u32 s1, u32 s2) {
+    const u32 w = i < 4 ? s0 : (i < 8 ? s1 : s2);
+    return (int)((w >> (8 * (i & 3))) & 255);
+}
+// Q4_K 6-bit scale and min of sub-block j (0..8): GGUF's 12-byte packing of 6-bit values.
+__device__ __forceinline__ void q4k_scale_min_w(u32 j, u32 s0, u32 s1, u32 s2, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q4k_byte(j, s0, s1, s2) & 63;
+        *m = q4k_byte(j + 4, s0, s1, s2) & 63;
+    } else {
+        *sc = (q4k_byte(j + 4, s0, s1, s2) & 0x0f) | ((q4k_byte(j - 4, s0, s1, s2) >> 6) << 4);
+        *m = (q4k_byte(j + 4, s0, s1, s2) >> 4) | ((q4k_byte(j, s0, s1, s2) >> 6) << 4);
     }
 }
 
-// Integer sums of every block of R rows (same type, nb blocks each, activations y[k]) into
-// is[k][b], sm[k][b]: U loads of each of the R rows are issued before any is used.
-template <int R, int U>
-__device__ __forceinline__ void rows_sums(u32 ty, const ExpertRow* rows, const BlockQ8K* const* y, u32 nb,
-                                          const u64* grid, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
-    const u32 lane = threadIdx.x & 31, nq = quant_bytes(ty), L = nq / 16, bpp = 32 / L, part = lane % L;
-    const u32 rb = rest_bytes(ty);
-    for (u32 b0 = 0; b0 < nb; b0 += U * bpp) {
-        int4 w[R][U];
+// What a lane reads for part p of one block: of the weight row (16 quant bytes, and for the
+// k-quants the scales its part needs), and of the activations (shared by the rows of a group).
+struct WeightPart {
+    int4 q;
+    uint4 ex;
+};
+struct ActPart {
+    int4 q[4];
+    int4 bs;
+};
+
+template <u32 TY>
+__device__ __forceinline__ WeightPart load_weight_part(const ExpertRow& row, u32 b, u32 p) {
+    WeightPart w;
+    w.q = __ldg((const int4*)(row.qs + (u64)b * Layout<TY>::NQ) + p);
+    const u8* rest = row.rest + (u64)b * Layout<TY>::RB;
+    if (TY == 10) {  // the 8 scale bytes of 128-value chunk p/2 (4-byte aligned)
+        w.ex.x = __ldg((const u32*)(rest + 8 * (p >> 1)));
+        w.ex.y = __ldg((const u32*)(rest + 8 * (p >> 1)) + 1);
+    } else if (TY == 12) {  // d, dmin and the 12 scale bytes (16-byte aligned)
+        w.ex = __ldg((const uint4*)rest);
+    }
+    return w;
+}
+
+template <u32 TY>
+__device__ __forceinline__ ActPart load_act_part(const BlockQ8K* y, u32 p) {
+    ActPart a;
+    if (TY == 16) {  // sub-blocks 2p and 2p+1: 64 bytes
+        const int4* s = (const int4*)(y->qs + 64 * p);
 #pragma unroll
-        for (int k = 0; k < R; k++) {
+        for (int i = 0; i < 4; i++) a.q[i] = s[i];
+    } else if (TY == 10) {  // chunk p/2, half p%2, each 2-bit plane j; the chunk's 8 sums
+        const u32 c = p >> 1, h = p & 1;
+#pragma unroll
+        for (int j = 0; j < 4; j++) a.q[j] = *(const int4*)(y->qs + 128 * c + 32 * j + 16 * h);
+        a.bs = *(const int4*)(y->bsums + 8 * c);
+    } else {  // sub-blocks 2(p/2) and 2(p/2)+1, half p%2; their 4 sums
+        const u32 t = p >> 1, h = p & 1;
+        a.q[0] = *(const int4*)(y->qs + 64 * t + 16 * h);
+        a.q[1] = *(const int4*)(y->qs + 64 * t + 32 + 16 * h);
+        const int2 bs = *(const int2*)(y->bsums + 4 * t);
+        a.bs = make_int4(bs.x, bs.y, 0, 0);
+    }
+    return a;
+}
+
+// Integer sums of one part: `isum` the scaled quant·q8 products, `summ` the scaled mins times the
+// q8 sums (Q2_K / Q4_K).
+template <u32 TY>
+__device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u64* grid,
+                                          const u64* signs, int* isum, int* summ) {
+    const u32 wv[4] = {(u32)w.q.x, (u32)w.q.y, (u32)w.q.z, (u32)w.q.w};
+    if (TY == 16) {
+        *isum = iq2_xxs_sub(wv[0], wv[1], a.q[0], a.q[1], grid, signs) + iq2_xxs_sub(wv[2], wv[3], a.q[2], a.q[3], grid, signs);
+        *summ = 0;
+    } else if (TY == 10) {
+        const u32 h = p & 1;
+        const int bsw[4] = {a.bs.x, a.bs.y, a.bs.z, a.bs.w};
+        int is_ = 0, sm = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int q8[4] = {a.q[j].x, a.q[j].y, a.q[j].z, a.q[j].w};
+            int s = 0;
+#pragma unroll
+            for (int t = 0; t < 4; t++) s = __dp4a((int)((wv[t] >> (2 * j)) & 0x03030303u), q8[t], s);
+            const u32 k = 2 * j + h;  // the scale's index within the chunk's 8
+            const int sc = (int)(((j < 2 ? w.ex.x : w.ex.y) >> (8 * (k & 3))) & 255);
+            const int bsum = (int)(short)(u32)(bsw[j] >> (16 * h));
+            is_ += (sc & 15) * s;
+            sm += (sc >> 4) * bsum;
+        }
+        *isum = is_;
+        *summ = sm;
+    } else {
+        const u32 t = p >> 1, h = p & 1;
+        const int lo[4] = {a.q[0].x, a.q[0].y, a.q[0].z, a.q[0].w};
+        const int hi[4] = {a.q[1].x, a.q[1].y, a.q[1].z, a.q[1].w};
+        int slo = 0, shi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            slo = __dp4a((int)(wv[i] & 0x0f0f0f0fu), lo[i], slo);
+            shi = __dp4a((int)((wv[i] >> 4) & 0x0f0f0f0fu), hi[i], shi);
+        }
+        int sc0, m0, sc1, m1;
+        q4k_scale_min_w(2 * t, w.ex.y, w.ex.z, w.ex.w, &sc0, &m0);
+        q4k_scale_min_w(2 * t + 1, w.ex.y, w.ex.z, w.ex.w, &sc1, &m1);
+        *isum = sc0 * slo + sc1 * shi;
+        const int b0 = (int)(short)(a.bs.x & 0xffff), b1 = (int)(short)((u32)a.bs.x >> 16);
+        const int b2 = (int)(short)(a.bs.y & 0xffff), b3 = (int)(short)((u32)a.bs.y >> 16);
+        *summ = h ? 0 : m0 * (b0 + b1) + m1 * (b2 + b3);
+    }
+}
+
+// Integer sums of every block of G groups of R rows (the rows of group g multiply activations
+// y[g]; nb blocks each) into is[g*R+k][b], sm[g*R+k][b]. U passes of every row are loaded before
+// any is used.
+template <u32 TY, int G, int R, int U>
+__device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K* const* y, u32 nb, const u64* grid,
+                                          const u64* signs, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+    typedef Layout<TY> Lay;
+    const u32 lane = threadIdx.x & 31, part = lane % Lay::L;
+    for (u32 b0 = 0; b0 < nb; b0 += U * Lay::BPP) {
+        WeightPart w[G * R][U];
+#pragma unroll
+        for (int k = 0; k < G * R; k++) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                const u32 b = b0 + u * bpp + lane / L;
-                w[k][u] = make_int4(0, 0, 0, 0);
-                if (rows[k].qs && b < nb) w[k][u] = __ldg((const int4*)(rows[k].qs + (u64)b * nq) + part);
+                const u32 b = b0 + u * Lay::BPP + lane / Lay::L;
+                if (rows[k].qs && b < nb) w[k][u] = load_weight_part<TY>(rows[k], b, part);
             }
         }
 #pragma unroll
-        for (int k = 0; k < R; k++) {
+        for (int u = 0; u < U; u++) {
+            if (b0 + u * Lay::BPP >= nb) break;  // uniform across the warp
+            const u32 b = b0 + u * Lay::BPP + lane / Lay::L;
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                const u32 b = b0 + u * bpp + lane / L;
-                if (b0 + u * bpp >= nb) break;  // uniform across the warp
-                int a = 0, m = 0;
-                if (rows[k].qs && b < nb) part_sums(ty, w[k][u], rows[k].rest + (u64)b * rb, y[k] + b, part, grid, &a, &m);
-                for (u32 o = 1; o < L; o <<= 1) {
-                    a += __shfl_xor_sync(0xffffffffu, a, o);
-                    m += __shfl_xor_sync(0xffffffffu, m, o);
-                }
-                if (part == 0 && b < nb) {
-                    is[k][b] = a;
-                    sm[k][b] = m;
+            for (int g = 0; g < G; g++) {
+                ActPart act;
+                if (b < nb) act = load_act_part<TY>(y[g] + b, part);
+#pragma unroll
+                for (int k = g * R; k < g * R + R; k++) {
+                    int a = 0, m = 0;
+                    if (rows[k].qs && b < nb) part_sums<TY>(w[k][u], act, part, grid, signs, &a, &m);
+#pragma unroll
+                    for (u32 o = 1; o < Lay::L; o <<= 1) {
+                        a += __shfl_xor_sync(0xffffffffu, a, o);
+                        m += __shfl_xor_sync(0xffffffffu, m, o);
+                    }
+                    if (part == 0 && b < nb) {
+                        is[k][b] = a;
+                        sm[k][b] = m;
+                    }
                 }
             }
         }
@@ -257,18 +335,19 @@ __device__ __forceinline__ void rows_sums(u32 ty, const ExpertRow* rows, const B
 // The dot of one row from its block sums, in the canonical order: lane l takes the term of block
 // c + l of each 32-block chunk, the butterfly reduces the chunk, chunk sums add in order from +0.
 // Every lane gets the result.
-__device__ float row_total(u32 ty, const u8* rest, const BlockQ8K* y, u32 nb, const int* is, const int* sm) {
-    const u32 lane = threadIdx.x & 31, rb = rest_bytes(ty);
+template <u32 TY>
+__device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int* is, const int* sm) {
+    const u32 lane = threadIdx.x & 31;
     float total = 0.0f;
     for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
         float acc = 0.0f;
         const u32 b = c + lane;
         if (b < nb) {
-            const u8* r = rest + (u64)b * rb;
+            const u8* r = rest + (u64)b * Layout<TY>::RB;
             const float yd = y[b].d;
-            if (ty == 16) {
+            if (TY == 16) {
                 acc += (h2f(*(const u16*)r) * yd) * (float)is[b];
-            } else if (ty == 10) {
+            } else if (TY == 10) {
                 const float dall = yd * h2f(*(const u16*)(r + 16)), dmin = yd * h2f(*(const u16*)(r + 18));
                 acc += dall * (float)is[b] - dmin * (float)sm[b];
             } else {
@@ -278,77 +357,126 @@ __device__ float row_total(u32 ty, const u8* rest, const BlockQ8K* y, u32 nb, co
         }
         total += warp_sum(acc);
     }
-    if (ty == 16) total = 0.125f * total;
+    if (TY == 16) total = 0.125f * total;
     return total;
 }
 
-// The IQ2_XXS grid in shared memory, loaded by the whole block (every thread must call it).
-__device__ __forceinline__ const u64* shared_grid(const u64* grid, bool needed) {
+// The IQ2_XXS grid and sign masks in shared memory, filled by the whole block (every thread
+// must call this).
+struct Iq2Tables {
+    const u64* grid;
+    const u64* signs;
+};
+__device__ __forceinline__ Iq2Tables iq2_tables(const u64* grid, bool needed) {
     __shared__ u64 grid_sh[256];
-    if (needed)
+    __shared__ u64 signs_sh[128];
+    if (needed) {
         for (u32 i = threadIdx.x; i < 256; i += blockDim.x) grid_sh[i] = grid[i];
+        for (u32 i = threadIdx.x; i < 128; i += blockDim.x) {
+            const u32 s = i | ((u32)(__popc(i) & 1) << 7);
+            u64 m = 0;
+            for (int j = 0; j < 8; j++)
+                if ((s >> j) & 1) m |= 0xffull << (8 * j);
+            signs_sh[i] = m;
+        }
+    }
     __syncthreads();
-    return grid_sh;
+    Iq2Tables t;
+    t.grid = grid_sh;
+    t.signs = signs_sh;
+    return t;
 }
 
-// mid[slot][r] = silu(min(gate,c)) * clamp(up,±c) * weight[slot]; one warp per (slot, row).
+// mid[slot][r] = silu(min(gate,c)) * clamp(up,±c) * weight[slot]; one warp per (slot, two rows).
+template <u32 TY, int U>
+__device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const Iq2Tables& t, u32 wid,
+                                                 int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+    const u32 per_slot = a.ff / MOE_ROWS_PER_WARP;
+    const u32 slot = wid / per_slot, r0 = (wid % per_slot) * MOE_ROWS_PER_WARP, nb = a.in_dim / 256;
+    const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
+    const u64 total = (u64)a.n_expert * a.ff * nb;
+    ExpertRow rows[2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+    for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+        const u64 first = (e * a.ff + r0 + k) * nb;
+        rows[2 * k] = expert_row(a.gate, TY, total, first);
+        rows[2 * k + 1] = expert_row(a.up, TY, total, first);
+    }
+    const BlockQ8K* ys[1] = {a.xq};
+    rows_sums<TY, 1, 2 * MOE_ROWS_PER_WARP, U>(rows, ys, nb, t.grid, t.signs, is, sm);
+#pragma unroll
+    for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+        const float g = row_total<TY>(rows[2 * k].rest, a.xq, nb, is[2 * k], sm[2 * k]);
+        const float u = row_total<TY>(rows[2 * k + 1].rest, a.xq, nb, is[2 * k + 1], sm[2 * k + 1]);
+        if ((threadIdx.x & 31) == 0) a.mid[(u64)slot * a.ff + r0 + k] = swiglu_clamped(g, u, a.clamp) * a.weights[slot];
+    }
+}
+
 extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
     DS4_GUARD;
-    __shared__ int is_sh[8][2][MOE_MAX_BLOCKS];
-    __shared__ int sm_sh[8][2][MOE_MAX_BLOCKS];
-    const u64* grid = shared_grid(a.grid, a.gate_ty == 16 || a.up_ty == 16);
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const Iq2Tables t = iq2_tables(a.grid, a.gate_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (wid >= a.n_used * a.ff) return;
-    const u32 slot = wid / a.ff, r = wid % a.ff, nb = a.in_dim / 256;
-    const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
-    const u64 total = (u64)a.n_expert * a.ff * nb, first = (e * a.ff + r) * nb;
-    ExpertRow rows[2] = {expert_row(a.gate, a.gate_ty, total, first), expert_row(a.up, a.up_ty, total, first)};
-    const BlockQ8K* ys[2] = {a.xq, a.xq};
-    if (a.gate_ty == a.up_ty) {
-        rows_sums<2, 2>(a.gate_ty, rows, ys, nb, grid, is_sh[warp], sm_sh[warp]);
-    } else {
-        rows_sums<1, 4>(a.gate_ty, rows, ys, nb, grid, is_sh[warp], sm_sh[warp]);
-        rows_sums<1, 4>(a.up_ty, rows + 1, ys, nb, grid, is_sh[warp] + 1, sm_sh[warp] + 1);
-    }
-    const float g = row_total(a.gate_ty, rows[0].rest, a.xq, nb, is_sh[warp][0], sm_sh[warp][0]);
-    const float u = row_total(a.up_ty, rows[1].rest, a.xq, nb, is_sh[warp][1], sm_sh[warp][1]);
-    if ((threadIdx.x & 31) == 0) a.mid[wid] = swiglu_clamped(g, u, a.clamp) * a.weights[slot];
+    if (wid >= a.n_used * (a.ff / MOE_ROWS_PER_WARP)) return;
+    // gate and up have one type (checked by the planner).
+    if (a.gate_ty == 16) moe_gate_up_rows<16, 2>(a, t, wid, is_sh[warp], sm_sh[warp]);
+    else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, t, wid, is_sh[warp], sm_sh[warp]);
+    else moe_gate_up_rows<12, 1>(a, t, wid, is_sh[warp], sm_sh[warp]);
 }
 
-// out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per row,
-// the rows of MOE_DOWN_SLOTS slots loaded together.
-#define MOE_DOWN_SLOTS 4
-extern "C" __global__ void moe_down(DS4_ARGS, const MoeDownArgs a) {
-    DS4_GUARD;
-    __shared__ int is_sh[8][MOE_DOWN_SLOTS][MOE_MAX_BLOCKS];
-    __shared__ int sm_sh[8][MOE_DOWN_SLOTS][MOE_MAX_BLOCKS];
-    const u64* grid = shared_grid(a.grid, a.down_ty == 16);
-    const u32 warp = threadIdx.x >> 5;
-    const u32 r = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (r >= a.out_dim) return;
+// out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per two
+// rows, two slots' rows loaded together.
+template <u32 TY>
+__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const Iq2Tables& t, u32 r0,
+                                              int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
     const u64 total = (u64)a.n_expert * a.out_dim * nb;
-    float acc = 0.0f;
-    for (u32 s0 = 0; s0 < a.n_used; s0 += MOE_DOWN_SLOTS) {
-        ExpertRow rows[MOE_DOWN_SLOTS];
-        const BlockQ8K* ys[MOE_DOWN_SLOTS];
+    float acc[MOE_ROWS_PER_WARP];
 #pragma unroll
-        for (u32 k = 0; k < MOE_DOWN_SLOTS; k++) {
-            const u32 slot = s0 + k;
-            ys[k] = a.midq + (u64)min(slot, a.n_used - 1) * nb;
-            if (slot < a.n_used) {
-                const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
-                rows[k] = expert_row(a.down, a.down_ty, total, (e * a.out_dim + r) * nb);
-            } else {
-                rows[k].qs = 0;
-                rows[k].rest = 0;
+    for (int k = 0; k < MOE_ROWS_PER_WARP; k++) acc[k] = 0.0f;
+    for (u32 s0 = 0; s0 < a.n_used; s0 += 2) {
+        ExpertRow rows[2 * MOE_ROWS_PER_WARP];
+        const BlockQ8K* ys[2];
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const u32 slot = s0 + g;
+            ys[g] = a.midq + (u64)min(slot, a.n_used - 1) * nb;
+            const u64 e = slot < a.n_used ? (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1) : 0;
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const u32 r = r0 + k;
+                rows[g * MOE_ROWS_PER_WARP + k] =
+                    slot < a.n_used && r < a.out_dim ? expert_row(a.down, TY, total, (e * a.out_dim + r) * nb) : no_row();
             }
         }
-        rows_sums<MOE_DOWN_SLOTS, 1>(a.down_ty, rows, ys, nb, grid, is_sh[warp], sm_sh[warp]);
-        for (u32 k = 0; k < MOE_DOWN_SLOTS && s0 + k < a.n_used; k++)
-            acc += row_total(a.down_ty, rows[k].rest, ys[k], nb, is_sh[warp][k], sm_sh[warp][k]);
+        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, t.grid, t.signs, is, sm);
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            if (s0 + g >= a.n_used) break;
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const int i = g * MOE_ROWS_PER_WARP + k;
+                if (rows[i].qs) acc[k] += row_total<TY>(rows[i].rest, ys[g], nb, is[i], sm[i]);
+            }
+        }
         __syncwarp();
     }
-    if ((threadIdx.x & 31) == 0) a.out[r] = acc;
+#pragma unroll
+    for (int k = 0; k < MOE_ROWS_PER_WARP; k++)
+        if ((threadIdx.x & 31) == 0 && r0 + k < a.out_dim) a.out[r0 + k] = acc[k];
+}
+
+extern "C" __global__ void moe_down(DS4_ARGS, const MoeDownArgs a) {
+    DS4_GUARD;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const Iq2Tables t = iq2_tables(a.grid, a.down_ty == 16);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
+    if (r0 >= a.out_dim) return;
+    if (a.down_ty == 16) moe_down_rows<16>(a, t, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_rows<10>(a, t, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_rows<12>(a, t, r0, is_sh[warp], sm_sh[warp]);
 }

@@ -116,7 +116,7 @@ macro_rules! kernel_args {
 
 kernel_args! {
     "embed_hc" => EmbedHcArgs { table: Ptr = "const void*", out: Ptr = "float*", n_embd: u32 = "u32", n_hc: u32 = "u32", is_f16: u32 = "u32", _pad: u32 = "u32" }
-    "rms_norm" => RmsNormArgs { x: Ptr = "const float*", w: Ptr = "const float*", out: Ptr = "float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", eps: f32 = "float" }
+    "rms_norm" => RmsNormArgs { x: Ptr = "const float*", w: Ptr = "const float*", out: Ptr = "float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", eps: f32 = "float", slices: u32 = "u32", _pad: u32 = "u32" }
     "quantize_q8_0" => QuantizeQ80Args { x: Ptr = "const float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_q8_0" => MatVecQ80Args { w: Ptr = "const u8*", xq: Ptr = "const i8*", xd: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
     "mat_vec_f16" => MatVecF16Args { w: Ptr = "const u16*", x: Ptr = "const float*", out: Ptr = "float*", in_dim: u32 = "u32", rows: u32 = "u32", rows_per_group: u32 = "u32", _pad: u32 = "u32" }
@@ -159,8 +159,9 @@ pub fn c_header() -> String {
         "// Generated from backends/cuda/args.rs and src/numerics.rs: do not edit by hand.\n\
          typedef unsigned char u8;\ntypedef signed char i8;\ntypedef unsigned short u16;\ntypedef short i16;\n\
          typedef unsigned int u32;\ntypedef unsigned long long u64;\n\n\
-         // Q8_K activation block, laid out as `quant::BlockQ8K` (292 bytes).\n\
-         struct BlockQ8K {\n    float d;\n    i8 qs[256];\n    i16 bsums[16];\n};\n\n",
+         // Q8_K activation block: `quant::BlockQ8K`'s fields, reordered so that the quants and the\n\
+         // sums are 16-byte aligned (304 bytes).\n\
+         struct BlockQ8K {\n    i8 qs[256];\n    i16 bsums[16];\n    float d;\n    u32 pad[3];\n};\n\n",
     );
     s += "// Mirrors `recorder::StepParams` (repr(C)): the only per-token input of a replay.\nstruct StepParams {\n";
     for (name, ty) in STEP_PARAMS_FIELDS {
@@ -302,10 +303,13 @@ mod tests {
             xd: Ptr::NULL,
             n: 16,
             eps: 1e-6,
+            slices: 1,
+            _pad: 0,
         };
         let (words, ptrs) = encode(&a);
         assert_eq!(ptrs, vec![0, 1, 2, 3, 4]);
-        assert_eq!(words.len(), 6);
+        assert_eq!(words.len(), 7);
         assert_eq!(words[5] as u32, 16);
+        assert_eq!(words[6] as u32, 1);
     }
 }

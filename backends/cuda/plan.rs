@@ -65,7 +65,8 @@ pub struct Plan {
     pub ropes: Vec<(RopeParams, u32)>,
 }
 
-const Q8K_BLOCK_BYTES: usize = 292;
+/// `BlockQ8K` as the kernels lay it out (args.rs: the generated header).
+const Q8K_BLOCK_BYTES: usize = 304;
 /// Whether a norm that feeds a Q8_0 matvec also writes the quantization, so the matvec skips its
 /// own quantize launch (130 launches fewer per Flash token). The plan test below checks the
 /// bookkeeping; `scripts/gpu-check` checks the bits.
@@ -277,9 +278,18 @@ impl Builder<'_> {
                 } else {
                     (Ptr::NULL, Ptr::NULL)
                 };
-                // Enough warps to take the row's 512-term chunks at once (up to 1024 threads).
-                let block = (32 * (n as usize).div_ceil(numerics::CHUNK) as u32).clamp(256, 1024);
-                self.launch(rows, block, RmsNormArgs { x: b(x), w: wp, out: b(out), xq, xd, n, eps });
+                // A row that is not normalized in place is split over blocks of 256 outputs, each
+                // block summing the whole row itself (the same bits in each): one block per row
+                // serialized the scaling and quantization of wide rows on one SM. In place, a
+                // block may not write what another still reads: one block per row, with enough
+                // warps to take the row's 512-term chunks at once (up to 1024 threads).
+                let (slices, block) = if x != out && n % 256 == 0 && n >= 512 {
+                    (n / 256, 256)
+                } else {
+                    (1, (32 * (n as usize).div_ceil(numerics::CHUNK) as u32).clamp(256, 1024))
+                };
+                let a = RmsNormArgs { x: b(x), w: wp, out: b(out), xq, xd, n, eps, slices, _pad: 0 };
+                self.launch(rows * slices, block, a);
                 if xq != Ptr::NULL {
                     self.q8_of = Some((out, self.cond, self.op));
                 }
@@ -481,6 +491,11 @@ impl Builder<'_> {
                 }
                 let (gate_ty, up_ty, down_ty) =
                     (self.expert_type(gate)?, self.expert_type(up)?, self.expert_type(down)?);
+                if gate_ty != up_ty {
+                    return Err(format!(
+                        "expert gate ({gate_ty}) and up ({up_ty}) weights of one layer must share a type for the CUDA kernels"
+                    ));
+                }
                 self.need(Scratch::Q8KX, in_dim / 256 * Q8K_BLOCK_BYTES);
                 self.need(Scratch::Mid, n_used * ff * 4);
                 self.need(Scratch::Q8KMid, n_used * ff / 256 * Q8K_BLOCK_BYTES);
@@ -502,7 +517,8 @@ impl Builder<'_> {
                     clamp,
                     _pad: 0,
                 };
-                self.launch(blocks(n_used * ff, 8), 256, a);
+                // One warp per two rows of each used expert (kernels/moe.cu: MOE_ROWS_PER_WARP).
+                self.launch(blocks(n_used * ff / 2, 8), 256, a);
                 let a = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
                 self.launch((n_used * ff / 256) as u32, 256, a);
                 let a = MoeDownArgs {
@@ -518,7 +534,7 @@ impl Builder<'_> {
                     n_expert,
                     _pad: 0,
                 };
-                self.launch(blocks(out_dim, 8), 256, a);
+                self.launch(blocks(out_dim.div_ceil(2), 8), 256, a);
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
@@ -672,6 +688,15 @@ mod tests {
             }
             assert!(checked > 10, "{}: {checked} Q8_0 matvecs", preset.name);
             assert!(!FUSE_NORM_Q8 || fused > 3, "{}: {fused} fused norms", preset.name);
+        }
+    }
+
+    /// kernels/moe.cu negates IQ2_XXS grid bytes by (v ^ 0xff) + 1 within a 32-bit word, which
+    /// carries into the next byte only for v = 0.
+    #[test]
+    fn iq2_xxs_grid_bytes_are_8_25_or_43() {
+        for g in crate::quant::IQ2XXS_GRID {
+            assert!(g.to_le_bytes().iter().all(|b| [8, 25, 43].contains(b)), "{g:#x}");
         }
     }
 
