@@ -11,11 +11,10 @@ extern "C" __global__ void embed_hc(DS4_ARGS, const EmbedHcArgs a) {
     for (u32 h = 0; h < a.n_hc; h++) a.out[h * a.n_embd + d] = v;
 }
 
-// One warp: lanes 0..7 make the 4 pre and 4 post gates; every lane holds the whole 4x4 combine
-// matrix (element src + dst*4) in registers through the softmax and the 20 Sinkhorn iterations,
-// and lane k < 16 writes element k. Every row and column sum adds its four elements in ds4's
-// order (src, or dst, ascending) from +0, so each lane computes exactly what the serial reference
-// does; the four sums of a step are independent, so they overlap instead of waiting on shuffles.
+// One warp: lanes 0..7 make the 4 pre and 4 post gates; lane k < 16 holds the combine matrix's
+// element k = src + dst*4 through the softmax and the 20 Sinkhorn iterations. Every row and column
+// sum reads its four elements by shuffles and adds them in ds4's order (dst, or src, ascending),
+// so each lane computes exactly what the serial reference does.
 extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
     DS4_GUARD;
     if (blockIdx.x != 0 || a.n_hc != 4) return;
@@ -27,49 +26,26 @@ extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
     const float eps = a.eps;
     if (lane < 4) a.split[lane] = 1.0f / (1.0f + ds4_expf(-(mix[lane] * scale[0] + base[lane]))) + eps;
     else if (lane < 8) a.split[lane] = 2.0f / (1.0f + ds4_expf(-(mix[lane] * scale[1] + base[lane])));
-    float c[16];
-#pragma unroll
-    for (int k = 0; k < 16; k++) c[k] = mix[2 * n + k] * scale[2] + base[2 * n + k];
+    const u32 k = lane & 15, src = k & 3, dst = k >> 2;
+    float c = mix[2 * n + k] * scale[2] + base[2 * n + k];
     // Softmax over src for each dst row, then + eps.
-#pragma unroll
-    for (int dst = 0; dst < 4; dst++) {
-        float mx = -1.0e30f;
-#pragma unroll
-        for (int s = 0; s < 4; s++) mx = fmaxf(mx, c[dst * 4 + s]);
-#pragma unroll
-        for (int s = 0; s < 4; s++) c[dst * 4 + s] = ds4_expf(c[dst * 4 + s] - mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int s = 0; s < 4; s++) sum += c[dst * 4 + s];
-        const float inv = 1.0f / sum;
-#pragma unroll
-        for (int s = 0; s < 4; s++) c[dst * 4 + s] = c[dst * 4 + s] * inv + eps;
-    }
+    float mx = -1.0e30f;
+    for (u32 s = 0; s < 4; s++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, dst * 4 + s));
+    c = ds4_expf(c - mx);
+    float sum = 0.0f;
+    for (u32 s = 0; s < 4; s++) sum += __shfl_sync(0xffffffffu, c, dst * 4 + s);
+    c = c * (1.0f / sum) + eps;
     for (u32 it = 0; it < a.iters; it++) {
         if (it > 0) {
-#pragma unroll
-            for (int dst = 0; dst < 4; dst++) {  // this dst row, over src
-                float t = 0.0f;
-#pragma unroll
-                for (int s = 0; s < 4; s++) t += c[dst * 4 + s];
-                const float inv = 1.0f / (t + eps);
-#pragma unroll
-                for (int s = 0; s < 4; s++) c[dst * 4 + s] *= inv;
-            }
+            float t = 0.0f;  // this dst row, over src
+            for (u32 s = 0; s < 4; s++) t += __shfl_sync(0xffffffffu, c, dst * 4 + s);
+            c *= 1.0f / (t + eps);
         }
-#pragma unroll
-        for (int src = 0; src < 4; src++) {  // this src column, over dst
-            float t = 0.0f;
-#pragma unroll
-            for (int d = 0; d < 4; d++) t += c[d * 4 + src];
-            const float inv = 1.0f / (t + eps);
-#pragma unroll
-            for (int d = 0; d < 4; d++) c[d * 4 + src] *= inv;
-        }
+        float t = 0.0f;  // this src column, over dst
+        for (u32 d = 0; d < 4; d++) t += __shfl_sync(0xffffffffu, c, d * 4 + src);
+        c *= 1.0f / (t + eps);
     }
-#pragma unroll
-    for (int k = 0; k < 16; k++)
-        if (lane == (u32)k) a.split[2 * n + k] = c[k];
+    if (lane < 16) a.split[2 * n + k] = c;
 }
 
 // out[d] = sum_h weights[h] * hc[h*n + d]

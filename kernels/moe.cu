@@ -159,19 +159,22 @@ template <u32 TY> struct Layout {
 };
 
 // IQ2_XXS sub-block (32 values) from its two words (4 grid indices; 4x7 sign bits and a 4-bit
-// scale) and its 32 activation bytes qa, qb. `signs[i]` has byte j = 0xff where bit j of i and
-// its parity bit (the count of negatives is even) is set. Grid bytes are 8, 25 or 43, so the
-// negation (v ^ 0xff) + 1 of a byte never carries into the next.
-__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u64* grid, const u64* signs) {
+// scale) and its 32 activation bytes qa, qb. The 7 sign bits of a group and their parity bit
+// (the count of negatives is even) spread to one bit per byte; grid bytes are 8, 25 or 43, so the
+// negation (v ^ 0xff) + 1 of a byte never carries into the next. (Sign masks from a shared table
+// were slower: random 8-byte lookups conflict on the banks.)
+__device__ __forceinline__ u32 spread4(u32 x) { return ((x & 15) * 0x00204081u) & 0x01010101u; }
+__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u64* grid) {
     const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
     int sumi = 0;
 #pragma unroll
     for (int l = 0; l < 4; l++) {
         const u64 g = grid[(aux0 >> (8 * l)) & 255];
-        const u64 m = signs[(aux1 >> (7 * l)) & 127];
-        const u32 mlo = (u32)m, mhi = (u32)(m >> 32);
-        sumi = __dp4a((int)(((u32)g ^ mlo) + (mlo & 0x01010101u)), q8[2 * l], sumi);
-        sumi = __dp4a((int)(((u32)(g >> 32) ^ mhi) + (mhi & 0x01010101u)), q8[2 * l + 1], sumi);
+        u32 signs = (aux1 >> (7 * l)) & 127;
+        signs |= (u32)(__popc(signs) & 1) << 7;
+        const u32 slo = spread4(signs), shi = spread4(signs >> 4);
+        sumi = __dp4a((int)(((u32)g ^ (slo * 0xffu)) + slo), q8[2 * l], sumi);
+        sumi = __dp4a((int)(((u32)(g >> 32) ^ (shi * 0xffu)) + shi), q8[2 * l + 1], sumi);
     }
     return sumi * (2 * (int)(aux1 >> 28) + 1);
 }
@@ -242,11 +245,11 @@ __device__ __forceinline__ ActPart load_act_part(const BlockQ8K* y, u32 p) {
 // Integer sums of one part: `isum` the scaled quant·q8 products, `summ` the scaled mins times the
 // q8 sums (Q2_K / Q4_K).
 template <u32 TY>
-__device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u64* grid,
-                                          const u64* signs, int* isum, int* summ) {
+__device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u64* grid, int* isum,
+                                          int* summ) {
     const u32 wv[4] = {(u32)w.q.x, (u32)w.q.y, (u32)w.q.z, (u32)w.q.w};
     if (TY == 16) {
-        *isum = iq2_xxs_sub(wv[0], wv[1], a.q[0], a.q[1], grid, signs) + iq2_xxs_sub(wv[2], wv[3], a.q[2], a.q[3], grid, signs);
+        *isum = iq2_xxs_sub(wv[0], wv[1], a.q[0], a.q[1], grid) + iq2_xxs_sub(wv[2], wv[3], a.q[2], a.q[3], grid);
         *summ = 0;
     } else if (TY == 10) {
         const u32 h = p & 1;
@@ -291,7 +294,7 @@ __device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a,
 // any is used.
 template <u32 TY, int G, int R, int U>
 __device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K* const* y, u32 nb, const u64* grid,
-                                          const u64* signs, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+                                          int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     typedef Layout<TY> Lay;
     const u32 lane = threadIdx.x & 31, part = lane % Lay::L;
     for (u32 b0 = 0; b0 < nb; b0 += U * Lay::BPP) {
@@ -315,7 +318,7 @@ __device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K*
 #pragma unroll
                 for (int k = g * R; k < g * R + R; k++) {
                     int a = 0, m = 0;
-                    if (rows[k].qs && b < nb) part_sums<TY>(w[k][u], act, part, grid, signs, &a, &m);
+                    if (rows[k].qs && b < nb) part_sums<TY>(w[k][u], act, part, grid, &a, &m);
 #pragma unroll
                     for (u32 o = 1; o < Lay::L; o <<= 1) {
                         a += __shfl_xor_sync(0xffffffffu, a, o);
@@ -361,35 +364,18 @@ __device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int*
     return total;
 }
 
-// The IQ2_XXS grid and sign masks in shared memory, filled by the whole block (every thread
-// must call this).
-struct Iq2Tables {
-    const u64* grid;
-    const u64* signs;
-};
-__device__ __forceinline__ Iq2Tables iq2_tables(const u64* grid, bool needed) {
+// The IQ2_XXS grid in shared memory, filled by the whole block (every thread must call this).
+__device__ __forceinline__ const u64* iq2_grid(const u64* grid, bool needed) {
     __shared__ u64 grid_sh[256];
-    __shared__ u64 signs_sh[128];
-    if (needed) {
+    if (needed)
         for (u32 i = threadIdx.x; i < 256; i += blockDim.x) grid_sh[i] = grid[i];
-        for (u32 i = threadIdx.x; i < 128; i += blockDim.x) {
-            const u32 s = i | ((u32)(__popc(i) & 1) << 7);
-            u64 m = 0;
-            for (int j = 0; j < 8; j++)
-                if ((s >> j) & 1) m |= 0xffull << (8 * j);
-            signs_sh[i] = m;
-        }
-    }
     __syncthreads();
-    Iq2Tables t;
-    t.grid = grid_sh;
-    t.signs = signs_sh;
-    return t;
+    return grid_sh;
 }
 
 // mid[slot][r] = silu(min(gate,c)) * clamp(up,±c) * weight[slot]; one warp per (slot, two rows).
 template <u32 TY, int U>
-__device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const Iq2Tables& t, u32 wid,
+__device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u64* grid, u32 wid,
                                                  int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 per_slot = a.ff / MOE_ROWS_PER_WARP;
     const u32 slot = wid / per_slot, r0 = (wid % per_slot) * MOE_ROWS_PER_WARP, nb = a.in_dim / 256;
@@ -403,7 +389,7 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const I
         rows[2 * k + 1] = expert_row(a.up, TY, total, first);
     }
     const BlockQ8K* ys[1] = {a.xq};
-    rows_sums<TY, 1, 2 * MOE_ROWS_PER_WARP, U>(rows, ys, nb, t.grid, t.signs, is, sm);
+    rows_sums<TY, 1, 2 * MOE_ROWS_PER_WARP, U>(rows, ys, nb, grid, is, sm);
 #pragma unroll
     for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
         const float g = row_total<TY>(rows[2 * k].rest, a.xq, nb, is[2 * k], sm[2 * k]);
@@ -416,20 +402,20 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const Iq2Tables t = iq2_tables(a.grid, a.gate_ty == 16);
+    const u64* grid = iq2_grid(a.grid, a.gate_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
     if (wid >= a.n_used * (a.ff / MOE_ROWS_PER_WARP)) return;
     // gate and up have one type (checked by the planner).
-    if (a.gate_ty == 16) moe_gate_up_rows<16, 2>(a, t, wid, is_sh[warp], sm_sh[warp]);
-    else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, t, wid, is_sh[warp], sm_sh[warp]);
-    else moe_gate_up_rows<12, 1>(a, t, wid, is_sh[warp], sm_sh[warp]);
+    if (a.gate_ty == 16) moe_gate_up_rows<16, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+    else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+    else moe_gate_up_rows<12, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
 }
 
 // out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per two
 // rows, two slots' rows loaded together.
 template <u32 TY>
-__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const Iq2Tables& t, u32 r0,
+__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* grid, u32 r0,
                                               int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
     const u64 total = (u64)a.n_expert * a.out_dim * nb;
@@ -451,7 +437,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const Iq2Tab
                     slot < a.n_used && r < a.out_dim ? expert_row(a.down, TY, total, (e * a.out_dim + r) * nb) : no_row();
             }
         }
-        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, t.grid, t.signs, is, sm);
+        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, grid, is, sm);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             if (s0 + g >= a.n_used) break;
@@ -472,11 +458,11 @@ extern "C" __global__ void moe_down(DS4_ARGS, const MoeDownArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const Iq2Tables t = iq2_tables(a.grid, a.down_ty == 16);
+    const u64* grid = iq2_grid(a.grid, a.down_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
     if (r0 >= a.out_dim) return;
-    if (a.down_ty == 16) moe_down_rows<16>(a, t, r0, is_sh[warp], sm_sh[warp]);
-    else if (a.down_ty == 10) moe_down_rows<10>(a, t, r0, is_sh[warp], sm_sh[warp]);
-    else moe_down_rows<12>(a, t, r0, is_sh[warp], sm_sh[warp]);
+    if (a.down_ty == 16) moe_down_rows<16>(a, grid, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_rows<10>(a, grid, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_rows<12>(a, grid, r0, is_sh[warp], sm_sh[warp]);
 }
