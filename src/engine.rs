@@ -261,6 +261,8 @@ pub struct Engine {
     /// Token ids whose state the session holds, in order. Empty after an error: the state is then
     /// unknown and the next call starts afresh.
     history: Vec<u32>,
+    /// Test hook ([`Engine::force_output`]): ids to emit instead of sampling.
+    forced: Option<Vec<u32>>,
 }
 
 impl Engine {
@@ -274,7 +276,14 @@ impl Engine {
         } else {
             backend.name().to_string()
         };
-        Ok(Engine { loaded, session, backend_label, history: Vec::new() })
+        Ok(Engine { loaded, session, backend_label, history: Vec::new(), forced: None })
+    }
+
+    /// Test hook: every `generate` call emits these ids in turn, then the end-of-sentence token,
+    /// instead of sampling (the prompt is fed and each emitted id decoded as usual). Lets the
+    /// server's tests see a known answer (a tool call, say) from a model whose output is noise.
+    pub fn force_output(&mut self, ids: Option<Vec<u32>>) {
+        self.forced = ids;
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -380,7 +389,10 @@ impl Engine {
         let mut text = StreamDecoder::new();
         let t_decode = Instant::now();
         for i in 0..n_gen {
-            let next = sampler.sample(&logits);
+            let next = match &self.forced {
+                Some(ids) => ids.get(i).copied().unwrap_or(eos),
+                None => sampler.sample(&logits),
+            };
             stats.generated += 1;
             if stats.first_token.is_none() {
                 stats.first_token = Some(t0.elapsed());
