@@ -1423,3 +1423,135 @@ impl Blocks {
         Some(i)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const IDS: Ids = Ids { think: 1, think_end: 2, eos: 3 };
+    const TEXT: u32 = 100;
+    const CALL: &str = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+        <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+    /// Feeds `chunks` as tokens, then ends: the pieces, and whether the answer was complete
+    /// before the end.
+    fn feed(asm: &mut Assembler, chunks: &[&str]) -> (Vec<Piece>, bool) {
+        let mut out = Vec::new();
+        for c in chunks {
+            if asm.complete() {
+                break;
+            }
+            out.extend(asm.push(TEXT, c));
+        }
+        let complete = asm.complete();
+        out.extend(asm.finish());
+        (out, complete)
+    }
+
+    fn content(pieces: &[Piece]) -> String {
+        pieces.iter().filter_map(|p| if let Piece::Content(t) = p { Some(t.as_str()) } else { None }).collect()
+    }
+
+    fn calls(pieces: &[Piece]) -> Vec<(usize, String, String)> {
+        pieces
+            .iter()
+            .filter_map(|p| if let Piece::ToolCall(i, c) = p { Some((*i, c.name.clone(), c.arguments.clone())) } else { None })
+            .collect()
+    }
+
+    /// Every split of `text` into three tokens (at char boundaries).
+    fn splits(text: &str) -> Vec<[&str; 3]> {
+        let cuts: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
+        let mut out = Vec::new();
+        for (n, &a) in cuts.iter().enumerate() {
+            for &b in &cuts[n..] {
+                out.push([&text[..a], &text[a..b], &text[b..]]);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_tool_call_after_text_comes_out_as_a_call_however_the_tokens_split() {
+        let text = format!("I will check.\n\n{CALL}");
+        let want_call = vec![(0, "get_weather".to_string(), r#"{"city": "Paris"}"#.to_string())];
+        for chunks in splits(&text) {
+            let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), true);
+            let (pieces, complete) = feed(&mut asm, &chunks);
+            assert_eq!(content(&pieces), "I will check.", "{chunks:?}");
+            assert_eq!(calls(&pieces), want_call, "{chunks:?}");
+            assert!(complete, "the closing tag completes the answer: {chunks:?}");
+            // No markup ever reaches the answer text.
+            assert!(!asm.content.contains('｜') && asm.content == "I will check.");
+        }
+    }
+
+    #[test]
+    fn without_tools_the_markup_is_plain_text() {
+        let text = format!("I will check.\n\n{CALL}");
+        let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), false);
+        let (pieces, _) = feed(&mut asm, &[&text[..20], &text[20..]]);
+        assert_eq!(content(&pieces), text);
+        assert!(calls(&pieces).is_empty());
+    }
+
+    #[test]
+    fn text_that_only_looked_like_a_block_start_is_released() {
+        for text in ["Done.\n\n", "a <｜DSML｜tool", "x\n<｜DSML｜other> y"] {
+            for chunks in splits(text) {
+                let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), true);
+                let (pieces, complete) = feed(&mut asm, &chunks);
+                assert_eq!(content(&pieces), text, "{chunks:?}");
+                assert!(calls(&pieces).is_empty() && !complete);
+            }
+        }
+    }
+
+    #[test]
+    fn a_malformed_or_cut_block_is_answer_text() {
+        // Broken: no call, all of it (the blank line too) is text.
+        let broken = "Hm.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nnonsense";
+        let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), true);
+        let (pieces, _) = feed(&mut asm, &[broken]);
+        assert_eq!(content(&pieces), broken);
+        assert!(calls(&pieces).is_empty());
+        // Cut short after one complete call: the call, then the rest as text.
+        let second = "<｜DSML｜invoke name=\"g\">\n<｜DSML｜param";
+        let cut = CALL.replace("</｜DSML｜tool_calls>", second);
+        let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), true);
+        let (pieces, complete) = feed(&mut asm, &[&cut]);
+        assert!(!complete);
+        assert_eq!(calls(&pieces).len(), 1);
+        assert_eq!(content(&pieces), format!("\n{second}"));
+    }
+
+    #[test]
+    fn stop_strings_and_blocks_whichever_comes_first() {
+        let text = format!("Look: {CALL}");
+        // A stop string before the block: no call.
+        let mut asm = Assembler::new(IDS, ThinkMode::NoThink, vec!["Look".into()], true);
+        let (pieces, complete) = feed(&mut asm, &[&text]);
+        assert!(complete && calls(&pieces).is_empty() && content(&pieces).is_empty());
+        assert_eq!(asm.stop_hit.as_deref(), Some("Look"));
+        // A stop string inside the block does not cut it.
+        let mut asm = Assembler::new(IDS, ThinkMode::NoThink, vec!["Paris".into()], true);
+        let (pieces, complete) = feed(&mut asm, &[&text]);
+        assert!(complete && asm.stop_hit.is_none());
+        assert_eq!(content(&pieces), "Look:");
+        assert_eq!(calls(&pieces).len(), 1);
+    }
+
+    #[test]
+    fn reasoning_then_a_call() {
+        let mut asm = Assembler::new(IDS, ThinkMode::Think, Vec::new(), true);
+        let mut pieces = asm.push(TEXT, "Need weather.");
+        pieces.extend(asm.push(IDS.think_end, ""));
+        pieces.extend(asm.push(TEXT, &format!("\n\n{CALL}")));
+        assert!(asm.complete());
+        // The end-of-sentence token after the block adds nothing.
+        assert!(asm.push(IDS.eos, "").is_empty());
+        assert_eq!(pieces[0], Piece::Reasoning("Need weather.".into()));
+        assert_eq!(content(&pieces), "");
+        assert_eq!(calls(&pieces).len(), 1);
+    }
+}
