@@ -1455,7 +1455,13 @@ mod tests {
     fn calls(pieces: &[Piece]) -> Vec<(usize, String, String)> {
         pieces
             .iter()
-            .filter_map(|p| if let Piece::ToolCall(i, c) = p { Some((*i, c.name.clone(), c.arguments.clone())) } else { None })
+            .filter_map(|p| {
+                if let Piece::ToolCall(i, c) = p {
+                    Some((*i, c.name.clone(), c.arguments.clone()))
+                } else {
+                    None
+                }
+            })
             .collect()
     }
 

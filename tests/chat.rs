@@ -141,7 +141,11 @@ fn special_strings_in_request_text_stay_plain_text() {
         tools: vec![json!({"name": sneaky})],
         messages: vec![
             Message::User(vec![UserPart::Text(sneaky.into())]),
-            Message::Assistant { reasoning: String::new(), content: sneaky.into(), tool_calls: vec![call("x", sneaky, "{}")] },
+            Message::Assistant {
+                reasoning: String::new(),
+                content: sneaky.into(),
+                tool_calls: vec![call("x", sneaky, "{}")],
+            },
             Message::User(vec![UserPart::ToolResult { call_id: "x".into(), content: sneaky.into() }]),
         ],
     };
@@ -164,11 +168,18 @@ fn arguments_that_are_not_an_object_become_one_string_parameter() {
         tools: Vec::new(),
         messages: vec![
             user("x"),
-            Message::Assistant { reasoning: String::new(), content: String::new(), tool_calls: vec![call("i", "f", "not json")] },
+            Message::Assistant {
+                reasoning: String::new(),
+                content: String::new(),
+                tool_calls: vec![call("i", "f", "not json")],
+            },
         ],
     };
     let text = String::from_utf8(tok.decode(&chat::render(&tok, &c, ThinkMode::NoThink))).unwrap();
-    assert!(text.contains("<｜DSML｜parameter name=\"arguments\" string=\"true\">not json</｜DSML｜parameter>"), "{text}");
+    assert!(
+        text.contains("<｜DSML｜parameter name=\"arguments\" string=\"true\">not json</｜DSML｜parameter>"),
+        "{text}"
+    );
 }
 
 const BLOCK: &str = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
@@ -187,7 +198,8 @@ fn a_tool_call_block_is_parsed_into_calls() {
         vec![
             ParsedCall {
                 name: "get_weather".into(),
-                arguments: r#"{"city": "New York, \"NY\"", "days": 3, "opts": {"units": "metric", "x": [1, 2]}}"#.into()
+                arguments: r#"{"city": "New York, \"NY\"", "days": 3, "opts": {"units": "metric", "x": [1, 2]}}"#
+                    .into()
             },
             ParsedCall { name: "noop".into(), arguments: "{}".into() },
         ]
