@@ -209,10 +209,14 @@ pub struct GenParams {
     pub logits: bool,
 }
 
+/// Prompt tokens fed between two chances to stop a prefill.
+const PREFILL_CHUNK: usize = 32;
+
 /// What `generate` reports while it runs.
 #[derive(Debug)]
 pub enum Event<'a> {
-    /// `done` of the `total` prompt tokens that need prefilling are in.
+    /// `done` of the `total` prompt tokens that need prefilling are in. Returning false stops
+    /// the call at the end of the current chunk of 32 prompt tokens.
     Prefill { done: usize, total: usize },
     /// The logits after a fed token (only with [`GenParams::logits`]).
     Logits(&'a [f32]),
@@ -367,13 +371,25 @@ impl Engine {
             }
             l
         } else {
+            // In chunks: a caller that asks to stop (a client gone) stops at the end of the chunk,
+            // where the state still matches `fed`.
             let total = suffix.len();
-            let l = self.session.prefill(suffix, |done| {
-                // Prefill runs to the end: the state must match `fed`.
-                on(Event::Prefill { done, total });
-            })?;
-            fed.extend_from_slice(suffix);
-            l.to_vec()
+            let mut l = Vec::new();
+            for (n, chunk) in suffix.chunks(PREFILL_CHUNK).enumerate() {
+                let start = n * PREFILL_CHUNK;
+                let mut go = true;
+                l = self
+                    .session
+                    .prefill(chunk, |done| go &= on(Event::Prefill { done: start + done, total }))?
+                    .to_vec();
+                fed.extend_from_slice(chunk);
+                if !go {
+                    stats.prefilled = start + chunk.len();
+                    stopped = true;
+                    break;
+                }
+            }
+            l
         };
         stats.prefill_time = t0.elapsed();
         if stopped {

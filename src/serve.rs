@@ -316,7 +316,9 @@ fn worker(mut engine: Engine, mut jobs: mpsc::UnboundedReceiver<Job>) {
                 first_token.get_or_insert_with(|| job.arrived.elapsed());
                 job.client.sampled_one() && job.tx.send(Out::Token { id, text: text.to_string() }).is_ok()
             }
-            _ => true,
+            // A long prompt is not fed for a client that left.
+            Event::Prefill { .. } => job.client.stopped().is_none(),
+            Event::Logits(_) => true,
         });
         match r {
             Ok(stats) => {

@@ -84,6 +84,38 @@ fn a_callback_returning_false_stops_at_once() {
     assert_eq!(stats.generated, 3);
 }
 
+/// A prefill asked to stop ends at a chunk boundary with the state of the tokens fed; the same
+/// prompt then reuses them and gives a fresh session's tokens, and the forced-output test hook
+/// emits its ids (then end of sentence) through the same path.
+#[test]
+fn a_prefill_asked_to_stop_keeps_what_it_fed() {
+    let mut e = tiny(256);
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + (i * 7 % 90)).collect();
+    let mut events = 0;
+    let stats = e
+        .generate(&prompt, &greedy(5), |ev| {
+            events += 1;
+            !matches!(ev, Event::Prefill { done: 40, .. })
+        })
+        .unwrap();
+    assert_eq!(stats.stop, StopReason::Callback);
+    assert_eq!((stats.prefilled, stats.generated), (64, 0), "the chunk that saw the stop is finished");
+    assert_eq!(events, 64);
+    assert_eq!(e.reusable(&prompt), 64);
+    let (got, s) = run(&mut e, &prompt, &greedy(5));
+    assert_eq!((s.reused, s.prefilled), (64, 36));
+    let (want, _) = run(&mut tiny(256), &prompt, &greedy(5));
+    assert_eq!(got, want);
+
+    let eos = e.tokenizer().specials().eos;
+    e.force_output(Some(vec![301, 302]));
+    let mut p = greedy(5);
+    p.ignore_eos = false;
+    let (forced, s) = run(&mut e, &[0, 300], &p);
+    assert_eq!(forced, vec![301, 302, eos]);
+    assert_eq!(s.stop, StopReason::Eos);
+}
+
 #[test]
 fn bad_prompts_are_errors() {
     let mut e = tiny(8);

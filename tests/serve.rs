@@ -440,6 +440,37 @@ fn a_client_that_leaves_before_a_whole_answer_stops_the_generation_within_one_to
 }
 
 #[test]
+fn a_client_that_leaves_during_a_long_prefill_stops_it() {
+    let s = Server::with_ctx("4096");
+    // Thousands of prompt tokens (the stand-in vocabulary has about one token per byte): many
+    // seconds of prefill on the CPU.
+    let long: String = (0..3000).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let body = chat(user(&long), json!({"max_tokens": 10})).to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(c);
+    let line = request_line(&s, 1);
+    let prompt = number_after(&line, "prompt ");
+    let prefilled = number_after(&line, "prefilled ");
+    assert!(prompt > 2000, "{line}");
+    assert!(prefilled < prompt, "the prefill stopped early: {line}");
+    assert_eq!(number_after(&line, "generated "), 0, "{line}");
+    assert!(line.contains("the client left after 0 tokens"), "{line}");
+    // The next request is served at once.
+    let t0 = Instant::now();
+    let r = s.post("/v1/chat/completions", &chat(user("Next"), json!({"max_tokens": 1})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    eprintln!("{line}");
+}
+
+#[test]
 fn bad_input_gets_a_4xx_in_the_apis_format_and_the_server_stays_up() {
     let s = Server::start();
     let oa = "/v1/chat/completions";
