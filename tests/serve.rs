@@ -829,3 +829,25 @@ fn a_generated_tool_call_comes_back_in_each_apis_format() {
     let text: String = data.iter().filter_map(|d| d["delta"]["text"].as_str()).collect();
     assert_eq!(text, "I will check.");
 }
+
+/// With tools the template keeps every turn's reasoning: a thinking turn that called a tool, sent
+/// back with its reasoning and the result, reuses every token of that turn.
+#[test]
+fn a_thinking_tool_call_turn_is_reused_with_its_reasoning() {
+    let forced = format!("Need the weather.</think>{FORCED_CALL}");
+    let s = Server::spawn("2048", Some(&forced));
+    let question = json!({"role": "user", "content": "Weather in Paris?"});
+    let body = chat(json!([question]), json!({"max_tokens": 500, "thinking": true, "tools": openai_tools()}));
+    let v = s.post("/v1/chat/completions", &body).json();
+    let msg = v["choices"][0]["message"].clone();
+    assert_eq!(msg["reasoning_content"], "Need the weather.", "{v}");
+    assert_eq!(msg["content"], "I will check.");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    let id = msg["tool_calls"][0]["id"].clone();
+    let convo = json!([question, msg, {"role": "tool", "tool_call_id": id, "content": "Sunny"}]);
+    let v2 = s
+        .post("/v1/chat/completions", &chat(convo, json!({"max_tokens": 1, "thinking": true, "tools": openai_tools()})))
+        .json();
+    let fed = v["usage"]["prompt_tokens"].as_u64().unwrap() + v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(v2["usage"]["prompt_tokens_details"]["cached_tokens"], fed, "{v2}");
+}
