@@ -134,7 +134,8 @@ impl Conversation {
 }
 
 /// Serializes JSON as Python's `json.dumps(v, ensure_ascii=False)` does: `", "` between items,
-/// `": "` after keys, non-ASCII text kept. Key order is kept as given.
+/// `": "` after keys, non-ASCII text kept. Key order is kept as given. (Floats with an exponent
+/// differ: Python writes `1e+100`, this `1e100`.)
 pub fn python_json(v: &Value) -> String {
     struct PythonStyle;
     impl serde_json::ser::Formatter for PythonStyle {

@@ -944,7 +944,8 @@ impl Assembler {
         }
         if let Some((block, _)) = &mut self.block {
             block.push_str(text);
-            return self.read_block(false);
+            // Only a tag's closing '>' can complete a call or the block (or break the format).
+            return if text.contains('>') { self.read_block(false) } else { Vec::new() };
         }
         self.content.push_str(text);
         self.release(false)
