@@ -378,6 +378,12 @@ fn number_after(line: &str, key: &str) -> usize {
     line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
 }
 
+/// An answer longer than any budget here (the test hook forces it), so no end of sentence comes
+/// before the client leaves, however fast the machine.
+fn endless_answer() -> String {
+    (0..20000).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect()
+}
+
 /// After a client leaves, the engine samples at most one more token (the one being computed),
 /// and the next request is served at once.
 fn check_left_within_one_token(s: &Server, budget: usize) {
@@ -397,8 +403,7 @@ fn check_left_within_one_token(s: &Server, budget: usize) {
 
 #[test]
 fn a_client_that_leaves_mid_stream_stops_the_generation_within_one_token() {
-    // Room for thousands of tokens: even a fast build is still generating when the client leaves.
-    let s = Server::with_ctx("8192");
+    let s = Server::spawn("8192", Some(&endless_answer()));
     let body = chat(user("Hello"), json!({"max_tokens": 10000, "stream": true})).to_string();
     let mut c = TcpStream::connect(&s.addr).unwrap();
     write!(
@@ -423,7 +428,7 @@ fn a_client_that_leaves_mid_stream_stops_the_generation_within_one_token() {
 
 #[test]
 fn a_client_that_leaves_before_a_whole_answer_stops_the_generation_within_one_token() {
-    let s = Server::with_ctx("8192");
+    let s = Server::spawn("8192", Some(&endless_answer()));
     let body = chat(user("Hello"), json!({"max_tokens": 10000})).to_string();
     let mut c = TcpStream::connect(&s.addr).unwrap();
     write!(
@@ -441,10 +446,10 @@ fn a_client_that_leaves_before_a_whole_answer_stops_the_generation_within_one_to
 
 #[test]
 fn a_client_that_leaves_during_a_long_prefill_stops_it() {
-    let s = Server::with_ctx("4096");
-    // Thousands of prompt tokens (the stand-in vocabulary has about one token per byte): many
-    // seconds of prefill on the CPU.
-    let long: String = (0..3000).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let s = Server::with_ctx("32768");
+    // Tens of thousands of prompt tokens (the stand-in vocabulary has about one token per byte):
+    // many seconds of prefill on the CPU, fed one token at a time.
+    let long: String = endless_answer()[..15000].repeat(2);
     let body = chat(user(&long), json!({"max_tokens": 10})).to_string();
     let mut c = TcpStream::connect(&s.addr).unwrap();
     write!(
@@ -458,7 +463,7 @@ fn a_client_that_leaves_during_a_long_prefill_stops_it() {
     let line = request_line(&s, 1);
     let prompt = number_after(&line, "prompt ");
     let prefilled = number_after(&line, "prefilled ");
-    assert!(prompt > 2000, "{line}");
+    assert!(prompt > 20000, "{line}");
     assert!(prefilled < prompt, "the prefill stopped early: {line}");
     assert_eq!(number_after(&line, "generated "), 0, "{line}");
     assert!(line.contains("the client left after 0 tokens"), "{line}");
