@@ -25,9 +25,10 @@
 //!
 //! Two choices are ours: text that comes from the request (system, messages, schemas, tool
 //! results, argument values) is tokenized as plain text, so a special string inside it never
-//! becomes a control token (DeepSeek's renderer tokenizes the whole string); and argument values
-//! are not escaped (DeepSeek's renderer does not either), so a value containing
-//! `</｜DSML｜parameter>` cannot be represented.
+//! becomes a control token (DeepSeek's renderer tokenizes the whole string); and the parser
+//! accepts any whitespace between tags (DeepSeek's wants exactly one newline). Like DeepSeek's
+//! renderer, nothing is escaped: an argument value containing `</｜DSML｜parameter>`, or a tool
+//! result containing `</tool_result>`, ends its wrapper early.
 
 use serde_json::{Map, Value};
 
