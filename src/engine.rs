@@ -265,6 +265,9 @@ pub struct Engine {
     /// Token ids whose state the session holds, in order. Empty after an error: the state is then
     /// unknown and the next call starts afresh.
     history: Vec<u32>,
+    /// The last token sampled and not fed (the end-of-sentence token, say), if the last call
+    /// ended so: a conversation sent back continues with it.
+    unfed: Option<u32>,
     /// Test hook ([`Engine::force_output`]): ids to emit instead of sampling.
     forced: Option<Vec<u32>>,
 }
@@ -280,7 +283,7 @@ impl Engine {
         } else {
             backend.name().to_string()
         };
-        Ok(Engine { loaded, session, backend_label, history: Vec::new(), forced: None })
+        Ok(Engine { loaded, session, backend_label, history: Vec::new(), unfed: None, forced: None })
     }
 
     /// Test hook: every `generate` call emits these ids in turn, then the end-of-sentence token,
@@ -299,10 +302,43 @@ impl Engine {
     pub fn session(&mut self) -> &mut Session {
         // Whoever drives the session directly may change its state behind the history's back.
         self.history.clear();
+        self.unfed = None;
         &mut self.session
     }
     pub fn ctx(&self) -> usize {
         self.session.ctx()
+    }
+
+    /// `prompt`, with the session's own tokens for a part that spells the same bytes. A client
+    /// sends back the model's answer as text, which the prompt renderer tokenizes its own way;
+    /// the model may have sampled another split of the same bytes (a multi-byte token where the
+    /// renderer writes single bytes, say). The session's tokens then cover the bytes they spell,
+    /// and `reusable` counts them. The prompt comes back unchanged when its bytes differ from what
+    /// the session holds, or it extends the session's tokens already.
+    pub fn align(&self, prompt: &[u32]) -> Vec<u32> {
+        if self.history.is_empty() || prompt.starts_with(&self.history) {
+            return prompt.to_vec();
+        }
+        let tok = &self.loaded.tokenizer;
+        // The session's tokens and, first, the unfed one after them; then without it.
+        let with_unfed: Vec<u32> = self.history.iter().copied().chain(self.unfed).collect();
+        for held in [&with_unfed[..], &self.history[..]] {
+            let same = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let want = tok.decode(&held[same..]);
+            // The prompt tokens after `same` that spell exactly those bytes.
+            let mut spelled = Vec::new();
+            let mut end = same;
+            while spelled.len() < want.len() && end < prompt.len() {
+                spelled.extend(tok.token_bytes(prompt[end]).unwrap_or_default());
+                end += 1;
+            }
+            if spelled == want {
+                let mut out = held.to_vec();
+                out.extend_from_slice(&prompt[end..]);
+                return out;
+            }
+        }
+        prompt.to_vec()
     }
 
     /// How many leading tokens of `prompt` the session holds already and `generate` would reuse:
@@ -338,6 +374,7 @@ impl Engine {
         // rolled back to an earlier position, only reset.
         let reused = if p.logits { 0 } else { self.reusable(prompt) };
         let history = std::mem::take(&mut self.history);
+        self.unfed = None;
         if reused == 0 && self.session.pos() > 0 {
             self.session.reset()?;
         }
@@ -404,11 +441,13 @@ impl Engine {
         let eos = tok.specials().eos;
         let mut text = StreamDecoder::new();
         let t_decode = Instant::now();
+        let mut unfed = None;
         for i in 0..n_gen {
             let next = match &self.forced {
                 Some(ids) => ids.get(i).copied().unwrap_or(eos),
                 None => sampler.sample(&logits),
             };
+            unfed = Some(next);
             stats.generated += 1;
             if stats.first_token.is_none() {
                 stats.first_token = Some(t0.elapsed());
@@ -425,6 +464,7 @@ impl Engine {
             if i + 1 < n_gen {
                 logits = self.session.eval(next)?.to_vec();
                 fed.push(next);
+                unfed = None;
                 stats.decoded += 1;
                 if p.logits && !on(Event::Logits(&logits)) {
                     stats.stop = StopReason::Callback;
@@ -435,6 +475,7 @@ impl Engine {
         stats.decode_time = t_decode.elapsed();
         stats.tail = text.finish();
         self.history = fed;
+        self.unfed = unfed;
         Ok(stats)
     }
 

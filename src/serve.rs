@@ -109,7 +109,7 @@ struct Job {
 
 /// What the worker reports for a job, in order: `Start`, then `Token`s, then `Done`; or `Error`.
 enum Out {
-    Start { reused: usize },
+    Start { prompt_tokens: usize, reused: usize },
     Token { id: u32, text: String },
     Done { stop: StopReason, tail: String },
     Error(ApiError),
@@ -294,24 +294,26 @@ async fn model(axum::extract::Path(id): axum::extract::Path<String>) -> Response
 /// The engine thread: jobs one at a time, in the order they came.
 fn worker(mut engine: Engine, mut jobs: mpsc::UnboundedReceiver<Job>) {
     while let Some(job) = jobs.blocking_recv() {
+        // The model's own tokens for the answers sent back, so the session's state is reused.
+        let prompt = engine.align(&job.prompt);
         let ctx = engine.ctx();
         // At least one position must be left for the answer.
-        if job.prompt.len() >= ctx {
+        if prompt.len() >= ctx {
             let msg = format!(
                 "the prompt is {} tokens; the context holds {ctx} (--ctx) with room for at least one more",
-                job.prompt.len()
+                prompt.len()
             );
             eprintln!("ds4 serve: #{} {}: refused: {msg}", job.id, job.path);
             let _ = job.tx.send(Out::Error(ApiError::bad(msg)));
             continue;
         }
-        let reused = engine.reusable(&job.prompt);
-        if job.client.stopped().is_some() || job.tx.send(Out::Start { reused }).is_err() {
+        let reused = engine.reusable(&prompt);
+        if job.client.stopped().is_some() || job.tx.send(Out::Start { prompt_tokens: prompt.len(), reused }).is_err() {
             eprintln!("ds4 serve: #{} {}: the client left while queued", job.id, job.path);
             continue;
         }
         let mut first_token = None;
-        let r = engine.generate(&job.prompt, &job.params, |ev| match ev {
+        let r = engine.generate(&prompt, &job.params, |ev| match ev {
             Event::Token { id, text } => {
                 first_token.get_or_insert_with(|| job.arrived.elapsed());
                 job.client.sampled_one() && job.tx.send(Out::Token { id, text: text.to_string() }).is_ok()
@@ -1131,7 +1133,6 @@ struct Submitted {
 /// Renders a request's prompt, queues it and waits for the worker to take it.
 async fn submit(st: &AppState, p: &Parsed, path: &'static str) -> Result<Submitted, ApiError> {
     let prompt = chat::render(&st.tok, &p.conversation, p.think);
-    let prompt_tokens = prompt.len();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let client = Arc::new(Client::default());
@@ -1140,7 +1141,7 @@ async fn submit(st: &AppState, p: &Parsed, path: &'static str) -> Result<Submitt
     let gone = || ApiError { status: StatusCode::SERVICE_UNAVAILABLE, msg: "the engine is not running".into() };
     st.jobs.send(job).map_err(|_| gone())?;
     match rx.recv().await {
-        Some(Out::Start { reused }) => Ok(Submitted { rx, watch, n, prompt_tokens, reused }),
+        Some(Out::Start { prompt_tokens, reused }) => Ok(Submitted { rx, watch, n, prompt_tokens, reused }),
         Some(Out::Error(e)) => {
             watch.finished();
             Err(e)

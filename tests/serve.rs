@@ -305,6 +305,29 @@ fn a_prompt_extending_the_last_one_reuses_its_tokens() {
     });
 }
 
+/// The tiny model samples multi-byte filler tokens that the prompt renderer, given the answer
+/// back as text, spells byte by byte: the server aligns the prompt to the sampled tokens, so the
+/// next turn still reuses them.
+#[test]
+fn an_answer_sent_back_reuses_the_sampled_tokens_however_it_retokenizes() {
+    let s = Server::start();
+    // Sampled at temperature 1 with the default seed: an answer with fillers and valid UTF-8.
+    let body = chat(user("Hello"), json!({"thinking": false, "max_tokens": 8, "temperature": 1}));
+    let first = s.post("/v1/chat/completions", &body).json();
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert!(answer.contains("<|filler_"), "a filler token in the answer: {answer:?}");
+    assert_eq!(first["choices"][0]["finish_reason"], "length");
+    let convo = json!([
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "More"},
+    ]);
+    let second = s.post("/v1/chat/completions", &chat(convo, json!({"thinking": false}))).json();
+    // Eight sampled, seven fed (the last one never is).
+    let fed = first["usage"]["prompt_tokens"].as_u64().unwrap() + 7;
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], fed, "{second}");
+}
+
 #[test]
 fn concurrent_requests_are_all_answered_in_turn() {
     let s = Server::start();
