@@ -985,8 +985,10 @@ impl Assembler {
                 at
             }
             (_, Some(at)) => {
-                // The whitespace before the block belongs to the block's markup, not the answer.
-                let text_end = self.content[..at].trim_end().len().max(from);
+                // The blank line before the block is the template's (DeepSeek's renderer writes
+                // answer text + "\n\n" + block), not the answer's: a call sent back renders the same.
+                let blank = if self.content[..at].ends_with("\n\n") { 2 } else { 0 };
+                let text_end = (at - blank).max(from);
                 let gap = self.content[text_end..at].to_string();
                 self.block = Some((self.content[at..].to_string(), gap));
                 self.content.truncate(text_end);
@@ -1497,6 +1499,16 @@ mod tests {
     }
 
     #[test]
+    fn only_the_templates_blank_line_before_a_block_is_dropped() {
+        for (text, want) in [("a \n\n", "a "), ("a\n", "a\n"), ("a\n\n\n", "a\n"), ("", "")] {
+            let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), true);
+            let (pieces, complete) = feed(&mut asm, &[text, CALL]);
+            assert!(complete);
+            assert_eq!(content(&pieces), want, "{text:?}");
+        }
+    }
+
+    #[test]
     fn without_tools_the_markup_is_plain_text() {
         let text = format!("I will check.\n\n{CALL}");
         let mut asm = Assembler::new(IDS, ThinkMode::NoThink, Vec::new(), false);
@@ -1547,7 +1559,7 @@ mod tests {
         let mut asm = Assembler::new(IDS, ThinkMode::NoThink, vec!["Paris".into()], true);
         let (pieces, complete) = feed(&mut asm, &[&text]);
         assert!(complete && asm.stop_hit.is_none());
-        assert_eq!(content(&pieces), "Look:");
+        assert_eq!(content(&pieces), "Look: ");
         assert_eq!(calls(&pieces).len(), 1);
     }
 
