@@ -209,10 +209,14 @@ pub struct GenParams {
     pub logits: bool,
 }
 
+/// Prompt tokens fed between two chances to stop a prefill.
+const PREFILL_CHUNK: usize = 32;
+
 /// What `generate` reports while it runs.
 #[derive(Debug)]
 pub enum Event<'a> {
-    /// `done` of the `total` prompt tokens that need prefilling are in.
+    /// `done` of the `total` prompt tokens that need prefilling are in. Returning false stops
+    /// the call at the end of the current chunk of 32 prompt tokens.
     Prefill { done: usize, total: usize },
     /// The logits after a fed token (only with [`GenParams::logits`]).
     Logits(&'a [f32]),
@@ -261,6 +265,11 @@ pub struct Engine {
     /// Token ids whose state the session holds, in order. Empty after an error: the state is then
     /// unknown and the next call starts afresh.
     history: Vec<u32>,
+    /// The last token sampled and not fed (the end-of-sentence token, say), if the last call
+    /// ended so: a conversation sent back continues with it.
+    unfed: Option<u32>,
+    /// Test hook ([`Engine::force_output`]): ids to emit instead of sampling.
+    forced: Option<Vec<u32>>,
 }
 
 impl Engine {
@@ -274,7 +283,14 @@ impl Engine {
         } else {
             backend.name().to_string()
         };
-        Ok(Engine { loaded, session, backend_label, history: Vec::new() })
+        Ok(Engine { loaded, session, backend_label, history: Vec::new(), unfed: None, forced: None })
+    }
+
+    /// Test hook: every `generate` call emits these ids in turn, then the end-of-sentence token,
+    /// instead of sampling (the prompt is fed and each emitted id decoded as usual). Lets the
+    /// server's tests see a known answer (a tool call, say) from a model whose output is noise.
+    pub fn force_output(&mut self, ids: Option<Vec<u32>>) {
+        self.forced = ids;
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -286,10 +302,43 @@ impl Engine {
     pub fn session(&mut self) -> &mut Session {
         // Whoever drives the session directly may change its state behind the history's back.
         self.history.clear();
+        self.unfed = None;
         &mut self.session
     }
     pub fn ctx(&self) -> usize {
         self.session.ctx()
+    }
+
+    /// `prompt`, with the session's own tokens for a part that spells the same bytes. A client
+    /// sends back the model's answer as text, which the prompt renderer tokenizes its own way;
+    /// the model may have sampled another split of the same bytes (a multi-byte token where the
+    /// renderer writes single bytes, say). The session's tokens then cover the bytes they spell,
+    /// and `reusable` counts them. The prompt comes back unchanged when its bytes differ from what
+    /// the session holds, or it extends the session's tokens already.
+    pub fn align(&self, prompt: &[u32]) -> Vec<u32> {
+        if self.history.is_empty() || prompt.starts_with(&self.history) {
+            return prompt.to_vec();
+        }
+        let tok = &self.loaded.tokenizer;
+        // The session's tokens and, first, the unfed one after them; then without it.
+        let with_unfed: Vec<u32> = self.history.iter().copied().chain(self.unfed).collect();
+        for held in [&with_unfed[..], &self.history[..]] {
+            let same = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let want = tok.decode(&held[same..]);
+            // The prompt tokens after `same` that spell exactly those bytes.
+            let mut spelled = Vec::new();
+            let mut end = same;
+            while spelled.len() < want.len() && end < prompt.len() {
+                spelled.extend(tok.token_bytes(prompt[end]).unwrap_or_default());
+                end += 1;
+            }
+            if spelled == want {
+                let mut out = held.to_vec();
+                out.extend_from_slice(&prompt[end..]);
+                return out;
+            }
+        }
+        prompt.to_vec()
     }
 
     /// How many leading tokens of `prompt` the session holds already and `generate` would reuse:
@@ -325,6 +374,7 @@ impl Engine {
         // rolled back to an earlier position, only reset.
         let reused = if p.logits { 0 } else { self.reusable(prompt) };
         let history = std::mem::take(&mut self.history);
+        self.unfed = None;
         if reused == 0 && self.session.pos() > 0 {
             self.session.reset()?;
         }
@@ -358,13 +408,25 @@ impl Engine {
             }
             l
         } else {
+            // In chunks: a caller that asks to stop (a client gone) stops at the end of the chunk,
+            // where the state still matches `fed`.
             let total = suffix.len();
-            let l = self.session.prefill(suffix, |done| {
-                // Prefill runs to the end: the state must match `fed`.
-                on(Event::Prefill { done, total });
-            })?;
-            fed.extend_from_slice(suffix);
-            l.to_vec()
+            let mut l = Vec::new();
+            for (n, chunk) in suffix.chunks(PREFILL_CHUNK).enumerate() {
+                let start = n * PREFILL_CHUNK;
+                let mut go = true;
+                l = self
+                    .session
+                    .prefill(chunk, |done| go &= on(Event::Prefill { done: start + done, total }))?
+                    .to_vec();
+                fed.extend_from_slice(chunk);
+                if !go {
+                    stats.prefilled = start + chunk.len();
+                    stopped = true;
+                    break;
+                }
+            }
+            l
         };
         stats.prefill_time = t0.elapsed();
         if stopped {
@@ -379,8 +441,13 @@ impl Engine {
         let eos = tok.specials().eos;
         let mut text = StreamDecoder::new();
         let t_decode = Instant::now();
+        let mut unfed = None;
         for i in 0..n_gen {
-            let next = sampler.sample(&logits);
+            let next = match &self.forced {
+                Some(ids) => ids.get(i).copied().unwrap_or(eos),
+                None => sampler.sample(&logits),
+            };
+            unfed = Some(next);
             stats.generated += 1;
             if stats.first_token.is_none() {
                 stats.first_token = Some(t0.elapsed());
@@ -397,6 +464,7 @@ impl Engine {
             if i + 1 < n_gen {
                 logits = self.session.eval(next)?.to_vec();
                 fed.push(next);
+                unfed = None;
                 stats.decoded += 1;
                 if p.logits && !on(Event::Logits(&logits)) {
                     stats.stop = StopReason::Callback;
@@ -407,6 +475,7 @@ impl Engine {
         stats.decode_time = t_decode.elapsed();
         stats.tail = text.finish();
         self.history = fed;
+        self.unfed = unfed;
         Ok(stats)
     }
 

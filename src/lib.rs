@@ -6,6 +6,7 @@
 pub mod backend;
 #[path = "../backends/mod.rs"]
 pub mod backends;
+pub mod chat;
 pub mod decode;
 pub mod engine;
 pub mod gguf;

@@ -84,6 +84,79 @@ fn a_callback_returning_false_stops_at_once() {
     assert_eq!(stats.generated, 3);
 }
 
+/// A prefill asked to stop ends at a chunk boundary with the state of the tokens fed; the same
+/// prompt then reuses them and gives a fresh session's tokens, and the forced-output test hook
+/// emits its ids (then end of sentence) through the same path.
+#[test]
+fn a_prefill_asked_to_stop_keeps_what_it_fed() {
+    let mut e = tiny(256);
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + (i * 7 % 90)).collect();
+    let mut events = 0;
+    let stats = e
+        .generate(&prompt, &greedy(5), |ev| {
+            events += 1;
+            !matches!(ev, Event::Prefill { done: 40, .. })
+        })
+        .unwrap();
+    assert_eq!(stats.stop, StopReason::Callback);
+    assert_eq!((stats.prefilled, stats.generated), (64, 0), "the chunk that saw the stop is finished");
+    assert_eq!(events, 64);
+    assert_eq!(e.reusable(&prompt), 64);
+    let (got, s) = run(&mut e, &prompt, &greedy(5));
+    assert_eq!((s.reused, s.prefilled), (64, 36));
+    let (want, _) = run(&mut tiny(256), &prompt, &greedy(5));
+    assert_eq!(got, want);
+
+    let eos = e.tokenizer().specials().eos;
+    e.force_output(Some(vec![301, 302]));
+    let mut p = greedy(5);
+    p.ignore_eos = false;
+    let (forced, s) = run(&mut e, &[0, 300], &p);
+    assert_eq!(forced, vec![301, 302, eos]);
+    assert_eq!(s.stop, StopReason::Eos);
+}
+
+/// An answer sent back as text re-tokenizes into other tokens than the model sampled (here a
+/// multi-byte filler token of the stand-in vocabulary, which the tokenizer writes byte by byte):
+/// `align` puts the session's tokens back where they spell the same bytes, so they are reused.
+#[test]
+fn a_prompt_spelling_the_sampled_tokens_otherwise_is_aligned_to_them() {
+    let mut e = tiny(256);
+    let tok = e.tokenizer();
+    let eos = tok.specials().eos;
+    let filler = (0..tok.vocab_size() as u32).find(|&id| tok.token_bytes(id).unwrap().len() > 3).unwrap();
+    let a = tok.encode("a")[0];
+    let answer = [filler, a];
+    let text = String::from_utf8(tok.decode(&answer)).unwrap();
+    let respelled = tok.encode(&text);
+    assert!(respelled.len() > 2 && !respelled.contains(&filler), "the text re-tokenizes byte by byte");
+    let first = [0, 300];
+    let differs: Vec<u32> = first.iter().chain(&tok.encode("<|x")).copied().collect();
+
+    e.force_output(Some(answer.to_vec()));
+    let mut p = greedy(10);
+    p.ignore_eos = false;
+    let (got, _) = run(&mut e, &first, &p);
+    assert_eq!(got, vec![filler, a, eos]);
+    e.force_output(None);
+
+    // The conversation goes on: the answer as the renderer spells it, then the end of sentence.
+    let next: Vec<u32> = first.iter().chain(&respelled).chain(&[eos, 305, 306]).copied().collect();
+    assert_eq!(e.reusable(&next), 0);
+    let aligned = e.align(&next);
+    assert_eq!(aligned, vec![0, 300, filler, a, eos, 305, 306]);
+    assert_eq!(e.reusable(&aligned), 4, "the prompt and the two fed answer tokens");
+    // Without the end of sentence the unfed token is left out; other bytes are left alone.
+    let other: Vec<u32> = first.iter().chain(&respelled).chain(&[305]).copied().collect();
+    assert_eq!(e.align(&other), vec![0, 300, filler, a, 305]);
+    assert_eq!(e.align(&differs), differs);
+    // The aligned prompt continues as a fresh session on it would.
+    let (cont, s) = run(&mut e, &aligned, &greedy(3));
+    assert_eq!((s.reused, s.prefilled), (4, 3));
+    let (want, _) = run(&mut tiny(256), &aligned, &greedy(3));
+    assert_eq!(cont, want);
+}
+
 #[test]
 fn bad_prompts_are_errors() {
     let mut e = tiny(8);
