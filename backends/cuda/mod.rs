@@ -204,7 +204,8 @@ mod imp {
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-        launch_with(stream, func, 0, grid, 256, 0, &words, false).map_err(drv(&format!("cannot generate '{}'", t.name)))?;
+        launch_with(stream, func, 0, grid, 256, 0, &words, false)
+            .map_err(drv(&format!("cannot generate '{}'", t.name)))?;
         Ok(d)
     }
 
@@ -258,8 +259,7 @@ mod imp {
         };
         // SAFETY: as above for the parameters; `config` and `attr` outlive the call, which
         // copies them.
-        unsafe { sys::cuLaunchKernelEx(&config, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
+        unsafe { sys::cuLaunchKernelEx(&config, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }.result()
     }
 
     pub struct CudaBackend {
