@@ -398,9 +398,7 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u
     }
 }
 
-// At least 4 blocks of 256 per SM (at most 64 registers): the k-quant paths of this kernel would
-// otherwise set 96 registers for all of them and hold an SM to 2 blocks.
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
+extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -456,8 +454,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* g
         if ((threadIdx.x & 31) == 0 && r0 + k < a.out_dim) a.out[r0 + k] = acc[k];
 }
 
-// At least 3 blocks of 256 per SM (at most 85 registers; 124 without the bound).
-extern "C" __global__ void __launch_bounds__(256, 3) moe_down(DS4_ARGS, const MoeDownArgs a) {
+extern "C" __global__ void moe_down(DS4_ARGS, const MoeDownArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];

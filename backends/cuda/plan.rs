@@ -601,11 +601,6 @@ mod tests {
         let src = super::super::kernel_source();
         let mut out = Vec::new();
         for part in src.split("extern \"C\" __global__ void ").skip(1) {
-            // An optional `__launch_bounds__(threads, blocks)` comes before the name.
-            let part = match part.strip_prefix("__launch_bounds__(") {
-                Some(rest) => rest[rest.find(')').unwrap() + 1..].trim_start(),
-                None => part,
-            };
             let name = part[..part.find('(').unwrap()].trim().to_string();
             let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
             let parts: Vec<&str> = params.split(',').map(str::trim).collect();
