@@ -694,6 +694,38 @@ impl Writer {
         out
     }
 
+    /// Writes the image [`Writer::to_bytes`] would make to `out` one tensor at a time: the
+    /// tensors' sizes come from their types and dims, and `data(i)` gives tensor `i`'s bytes when
+    /// they are written (so a model larger than memory can be written). Returns the length.
+    pub fn write_streamed(
+        &self,
+        out: &mut impl std::io::Write,
+        mut data: impl FnMut(usize) -> Vec<u8>,
+    ) -> std::io::Result<u64> {
+        let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+        let mut sizes = Vec::with_capacity(self.tensors.len());
+        for (name, ty, dims, _) in &self.tensors {
+            sizes.push(tensor_bytes(name, *ty, dims).map_err(|e| invalid(format!("tensor '{name}': {e:?}")))?);
+        }
+        let (header, offsets) = self.header(&sizes);
+        out.write_all(&header)?;
+        let mut pos = 0u64;
+        let zeros = vec![0u8; self.alignment.max(1) as usize];
+        for (i, (&off, &size)) in offsets.iter().zip(&sizes).enumerate() {
+            out.write_all(&zeros[..(off - pos) as usize])?;
+            let bytes = data(i);
+            if bytes.len() as u64 != size {
+                let name = &self.tensors[i].0;
+                return Err(invalid(format!("tensor '{name}': {} bytes given for {size}", bytes.len())));
+            }
+            out.write_all(&bytes)?;
+            pos = off + size;
+        }
+        let end = align_up(pos, self.alignment.max(1)).unwrap_or(pos);
+        out.write_all(&zeros[..(end - pos) as usize])?;
+        Ok(header.len() as u64 + end)
+    }
+
     pub fn write_file(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
         std::fs::write(path, self.to_bytes())
     }

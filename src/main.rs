@@ -50,8 +50,9 @@ enum Cmd {
     },
     /// Write a deterministic random-weight model of a named shape.
     Synth {
-        /// Model shape: tiny, small, or flash-4l (4 layers of the real Flash shape).
-        #[arg(long, value_parser = ["tiny", "small", "flash-4l"])]
+        /// Model shape: tiny, small, flash-4l (4 layers of the real Flash shape, about 8 GB) or
+        /// flash (all 43 layers, about 80 GB). Written one tensor at a time.
+        #[arg(long, value_parser = ["tiny", "small", "flash-4l", "flash"])]
         preset: String,
         /// GGUF file to write (checked before the model is built).
         #[arg(long)]
@@ -955,14 +956,12 @@ fn cmd_inspect(path: &Path) -> Result<()> {
 
 fn cmd_synth(preset: &str, out: &Path, seed: u64) -> Result<()> {
     let p = Preset::by_name(preset).with_context(|| format!("unknown preset '{preset}'"))?;
-    let mut file = create_output(out, "--out")?;
-    let bytes = synth::build(&p, seed);
-    file.write_all(&bytes).with_context(|| format!("--out: cannot write {}", out.display()))?;
-    eprintln!(
-        "ds4: wrote the '{preset}' preset ({:.2} MB, seed {seed}) to {}",
-        bytes.len() as f64 / 1e6,
-        out.display()
-    );
+    let file = create_output(out, "--out")?;
+    let mut writer = std::io::BufWriter::with_capacity(1 << 22, file);
+    let len = synth::write(&p, seed, &mut writer)
+        .and_then(|n| writer.flush().map(|_| n))
+        .with_context(|| format!("--out: cannot write {}", out.display()))?;
+    eprintln!("ds4: wrote the '{preset}' preset ({:.2} MB, seed {seed}) to {}", len as f64 / 1e6, out.display());
     Ok(())
 }
 

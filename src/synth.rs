@@ -441,6 +441,17 @@ pub fn build(p: &Preset, seed: u64) -> Vec<u8> {
     w.to_bytes()
 }
 
+/// Writes a preset as a GGUF file to `out`, one tensor at a time (the 43-layer Flash shape
+/// does not fit in memory): the same bytes as [`build`]. Returns the file's length.
+pub fn write(p: &Preset, seed: u64, out: &mut impl std::io::Write) -> std::io::Result<u64> {
+    let mut w = metadata(p);
+    let specs = specs(p);
+    for spec in &specs {
+        w.tensor(spec.name.clone(), spec.ty, &spec.dims, Vec::new());
+    }
+    w.write_streamed(out, |i| tensor_data(&specs[i], seed))
+}
+
 /// The recipe of a preset's tensors, for a backend that generates them itself.
 pub fn synthetic(p: &Preset, seed: u64) -> Synthetic {
     Synthetic { seed, fills: specs(p).into_iter().map(|s| (s.name, s.fill)).collect() }

@@ -267,7 +267,12 @@ fn synth_presets_load_and_tiny_has_tiny_a_shape() {
     assert_eq!(a, golden.config, "the tiny preset has tiny-a's shape");
     assert_eq!(std::fs::read(&path).unwrap(), synth::build(&Preset::tiny(), 4), "synth is deterministic");
 
-    let small = Model::from_file(File::from_bytes("small", synth::build(&Preset::small(), 1)).unwrap()).unwrap();
+    let small_bytes = synth::build(&Preset::small(), 1);
+    let mut streamed = Vec::new();
+    let len = synth::write(&Preset::small(), 1, &mut streamed).unwrap();
+    assert_eq!(len, streamed.len() as u64);
+    assert!(streamed == small_bytes, "synth::write streams the bytes synth::build makes");
+    let small = Model::from_file(File::from_bytes("small", small_bytes).unwrap()).unwrap();
     assert!(small.config.n_embd >= 1024 && small.config.n_expert >= 16 && small.config.n_layer >= 3);
     std::fs::remove_dir_all(&dir).ok();
 }
