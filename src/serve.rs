@@ -497,14 +497,19 @@ fn check_tool_name(name: Option<&str>, what: &str) -> Result<String, ApiError> {
     }
 }
 
+/// The `tools` array of either API (absent or null: none).
+fn tool_list(tools: Option<&Value>) -> Result<&[Value], ApiError> {
+    match tools {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(a)) => Ok(a),
+        Some(_) => Err(ApiError::bad("`tools` must be an array")),
+    }
+}
+
 /// OpenAI `tools`: `[{"type": "function", "function": {"name", "description", "parameters"}}]`;
 /// the function objects are what the prompt shows.
 fn openai_tools(tools: Option<&Value>) -> Result<Vec<Value>, ApiError> {
-    let list = match tools {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(a)) => a,
-        Some(_) => return Err(ApiError::bad("`tools` must be an array")),
-    };
+    let list = tool_list(tools)?;
     let mut out = Vec::new();
     for (i, t) in list.iter().enumerate() {
         let what = format!("tools[{i}]");
@@ -738,11 +743,7 @@ struct MessagesRequest {
 /// Anthropic `tools`: `[{"name", "description", "input_schema"}]` (client tools; `type`
 /// "custom" or absent), shown to the model as functions with `parameters`.
 fn anthropic_tools(tools: Option<&Value>) -> Result<Vec<Value>, ApiError> {
-    let list = match tools {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(a)) => a,
-        Some(_) => return Err(ApiError::bad("`tools` must be an array")),
-    };
+    let list = tool_list(tools)?;
     let mut out = Vec::new();
     for (i, t) in list.iter().enumerate() {
         let what = format!("tools[{i}]");
