@@ -61,13 +61,102 @@ fn fsub(a: f32, b: f32) -> f32 {
 fn fmul(a: f32, b: f32) -> f32 {
     return o(a * b);
 }
-// IEEE division and square root, correctly rounded on lavapipe. NVIDIA's Vulkan driver does not
-// round these correctly (wgsl-exactness.md); the README says where that leaves bit-identity.
+// IEEE division and square root, correctly rounded: WGSL's `/` and `sqrt` may be 2.5 ulp off
+// (NVIDIA's Vulkan driver is; lavapipe rounds them correctly), so the hardware result is only a
+// first guess, corrected with exact residuals (Dekker's product from + - * alone).
 fn fdiv(a: f32, b: f32) -> f32 {
-    return o(o(a) / o(b));
+    return div_rn(a, b, o(o(a) / o(b)));
 }
 fn sqrt_rn(a: f32) -> f32 {
-    return o(sqrt(o(a)));
+    return sqrt_fix(a, o(sqrt(o(a))));
+}
+
+// x split into a high part of 12 significant bits and the rest (Veltkamp), exactly.
+fn split12(x: f32) -> vec2<f32> {
+    let t = fmul(4097.0, x);
+    let hi = fsub(t, fsub(t, x));
+    return vec2<f32>(hi, fsub(x, hi));
+}
+
+// a - x*y, exact whenever the result is representable and x*y is within a factor 2 of a.
+fn residual(a: f32, x: f32, y: f32) -> f32 {
+    let p = fmul(x, y);
+    let xs = split12(x);
+    let ys = split12(y);
+    let e = fadd(fadd(fadd(fsub(fmul(xs.x, ys.x), p), fmul(xs.x, ys.y)), fmul(xs.y, ys.x)), fmul(xs.y, ys.y));
+    return fsub(fsub(a, p), e);
+}
+
+// The unbiased exponent of a finite nonzero x.
+fn exponent(x: f32) -> i32 {
+    return i32((bitcast<u32>(x) >> 23u) & 0xffu) - 127;
+}
+
+// Whether x is normal with its exponent in [lo, hi] (no overflow or underflow in the residuals).
+fn in_range(x: f32, lo: i32, hi: i32) -> bool {
+    let e = exponent(x);
+    return x != 0.0 && e >= lo && e <= hi;
+}
+
+// The next float away from zero, and towards zero, of a finite nonzero x.
+fn next_out(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) + 1u);
+}
+fn next_in(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) - 1u);
+}
+
+// a / b correctly rounded from a guess q0 within 3 ulp: of q0 and its neighbours, the one with
+// the smallest |a - q*b| (ties cannot happen for normal quotients). Outside the range where the
+// residuals are exact the guess is returned.
+fn div_rn(a: f32, b: f32, q0: f32) -> f32 {
+    if (!in_range(a, -80, 80) || !in_range(b, -40, 40) || !in_range(q0, -40, 40)) {
+        return q0;
+    }
+    var best = q0;
+    var best_r = abs(residual(a, q0, b));
+    var up = q0;
+    var dn = q0;
+    for (var k = 0; k < 3; k = k + 1) {
+        up = next_out(up);
+        let ru = abs(residual(a, up, b));
+        if (ru < best_r) {
+            best = up;
+            best_r = ru;
+        }
+        dn = next_in(dn);
+        let rd = abs(residual(a, dn, b));
+        if (rd < best_r) {
+            best = dn;
+            best_r = rd;
+        }
+    }
+    return best;
+}
+
+// sqrt(a) correctly rounded from a guess s: move s by an ulp while a lies beyond the midpoint
+// to a neighbour. With r = a - s*s (exact), a > (s + u/2)^2 exactly when r - s*u > 0, and
+// a < (s - d/2)^2 exactly when r + s*d < 0 (u, d: the gaps to the neighbours; no ties).
+fn sqrt_fix(a: f32, s0: f32) -> f32 {
+    if (!(a > 0.0) || !in_range(a, -80, 80) || !in_range(s0, -40, 40)) {
+        return s0;
+    }
+    var s = s0;
+    for (var k = 0; k < 4; k = k + 1) {
+        let r = residual(a, s, s);
+        let up = next_out(s);
+        if (fsub(r, fmul(s, fsub(up, s))) > 0.0) {
+            s = up;
+            continue;
+        }
+        let dn = next_in(s);
+        if (fadd(r, fmul(s, fsub(s, dn))) < 0.0) {
+            s = dn;
+            continue;
+        }
+        break;
+    }
+    return s;
 }
 
 fn pow2i(k: i32) -> f32 {
@@ -243,40 +332,27 @@ fn dot4i8(a: u32, b: u32) -> i32 {
         + sbyte(a, 3u) * sbyte(b, 3u);
 }
 
-// The canonical butterfly over the 32 lanes of each group of 32 invocations (numerics::tree32):
-// for o = 16, 8, 4, 2, 1 lane l becomes v[l] + v[l ^ o]. Every lane gets the sum. Workgroups are
-// 256 invocations; call in uniform control flow.
-var<workgroup> red: array<f32, 256>;
-
-fn lane_sum(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var off = 16u; off > 0u; off = off / 2u) {
-        let t = fadd(red[lid], red[lid ^ off]);
-        workgroupBarrier();
-        red[lid] = t;
-        workgroupBarrier();
-    }
-    let s = red[lid];
-    workgroupBarrier();
-    return s;
-}
-
-fn lane_max(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var off = 16u; off > 0u; off = off / 2u) {
-        let t = max(red[lid], red[lid ^ off]);
-        workgroupBarrier();
-        red[lid] = t;
-        workgroupBarrier();
-    }
-    let s = red[lid];
-    workgroupBarrier();
-    return s;
-}
-
 // The flat index of this workgroup in a dispatch of (x, y) workgroups.
 fn group_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + wid.y * nwg.x;
+}
+
+// The same butterfly for 32 lane sums held by one invocation: for o = 16, 8, 4, 2, 1, lane l < o
+// adds lane l + o (what the xor butterfly leaves in lane 0). For adapters that run invocations
+// on CPU cores (lavapipe), where one invocation per row beats 32 lanes and their barriers.
+fn tree32(v: ptr<function, array<f32, 32>>) -> f32 {
+    for (var off = 16u; off > 0u; off = off / 2u) {
+        for (var l = 0u; l < off; l = l + 1u) {
+            (*v)[l] = fadd((*v)[l], (*v)[l + off]);
+        }
+    }
+    return (*v)[0];
+}
+
+fn zero32() -> array<f32, 32> {
+    var v: array<f32, 32>;
+    for (var l = 0u; l < 32u; l = l + 1u) {
+        v[l] = zero();
+    }
+    return v;
 }

@@ -157,3 +157,100 @@ fn mat_vec_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         OUT[row0 + r] = total;
     }
 }
+
+// The same three matvecs with one invocation per row (the `_rows` variants), for adapters that
+// run invocations on CPU cores: each invocation keeps the 32 lane sums itself, in the same order.
+@compute @workgroup_size(64)
+fn mat_vec_q8_0_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let d_off = arg(4u);
+    let ws_off = arg(5u);
+    let r = group_index(wid, nwg) * 64u + lid;
+    if (r >= rows) {
+        return;
+    }
+    let nb = in_dim / 32u;
+    let g = (row0 + r) / arg(2u);
+    var total = zero();
+    for (var c = 0u; c < nb; c = c + 32u) {
+        var acc = zero32();
+        for (var l = 0u; l < 32u && c + l < nb; l = l + 1u) {
+            let b = c + l;
+            var isum = 0;
+            let wq = (r * nb + b) * 8u;
+            let xq = (g * nb + b) * 8u;
+            for (var k = 0u; k < 8u; k = k + 1u) {
+                isum = isum + dot4i8(W[wq + k], XQ[xq + k]);
+            }
+            let hi = ws_off * 2u + r * nb + b;
+            let ws = h2f((W[hi / 2u] >> ((hi % 2u) * 16u)) & 0xffffu);
+            let dx = bitcast<f32>(XQ[d_off + g * nb + b]);
+            acc[l] = fadd(acc[l], fmul(fmul(ws, dx), f32(isum)));
+        }
+        total = fadd(total, tree32(&acc));
+    }
+    OUT[row0 + r] = total;
+}
+
+@compute @workgroup_size(64)
+fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let r = group_index(wid, nwg) * 64u + lid;
+    if (r >= rows) {
+        return;
+    }
+    let xg = ((row0 + r) / arg(2u)) * in_dim;
+    let wr = r * in_dim;
+    var total = zero();
+    for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
+        var acc = zero32();
+        for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 2u) {
+            // Two halves per word (in_dim is even, so a pair never straddles a chunk).
+            let w = W[(wr + c0 + j) / 2u];
+            let l = (j / 8u) % 32u;
+            acc[l] = fadd(acc[l], fmul(h2f(w & 0xffffu), X[xg + c0 + j]));
+            acc[l] = fadd(acc[l], fmul(h2f(w >> 16u), X[xg + c0 + j + 1u]));
+        }
+        total = fadd(total, tree32(&acc));
+    }
+    OUT[row0 + r] = total;
+}
+
+@compute @workgroup_size(64)
+fn mat_vec_f32_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let r = group_index(wid, nwg) * 64u + lid;
+    if (r >= rows) {
+        return;
+    }
+    let xg = ((row0 + r) / arg(2u)) * in_dim;
+    let wr = r * in_dim;
+    var total = zero();
+    for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
+        var acc = zero32();
+        for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 1u) {
+            let l = (j / 4u) % 32u;
+            acc[l] = fadd(acc[l], fmul(bitcast<f32>(W[wr + c0 + j]), X[xg + c0 + j]));
+        }
+        total = fadd(total, tree32(&acc));
+    }
+    OUT[row0 + r] = total;
+}

@@ -379,3 +379,72 @@ fn moe_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
     F0[r] = acc;
 }
+
+// row_dot by one invocation holding the 32 lane sums (the `_rows` variants below).
+fn row_dot_serial(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32) -> f32 {
+    var total = zero();
+    for (var c = 0u; c < n_blocks; c = c + 32u) {
+        var acc = zero32();
+        for (var l = 0u; l < 32u && c + l < n_blocks; l = l + 1u) {
+            let b = c + l;
+            acc[l] = fadd(acc[l], block_term(t, ty, at + b * block_bytes(ty), a, nb, b0 + b));
+        }
+        total = fadd(total, tree32(&acc));
+    }
+    if (ty == 16u) {
+        total = fmul(0.125, total);
+    }
+    return total;
+}
+
+// moe_gate_up with one invocation per (slot, row), for adapters that run on CPU cores.
+@compute @workgroup_size(64)
+fn moe_gate_up_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(3u);
+    let ff = arg(4u);
+    let n_used = arg(6u);
+    let it = group_index(wid, nwg) * 64u + lid;
+    if (it >= n_used * ff) {
+        return;
+    }
+    let slot = it / ff;
+    let r = it % ff;
+    let e = u32(max(SELECTED[slot], 0));
+    if (e < arg(7u) || e >= arg(8u)) {
+        return;
+    }
+    let el = e - arg(7u);
+    let nbx = in_dim / 256u;
+    let g = row_dot_serial(0u, arg(0u), (el * ff + r) * nbx * block_bytes(arg(0u)), nbx, 0u, nbx, 0u);
+    let u = row_dot_serial(1u, arg(1u), (el * ff + r) * nbx * block_bytes(arg(1u)), nbx, 0u, nbx, 0u);
+    F0[it] = fmul(swiglu_clamped(g, u, argf(9u)), WEIGHTS[slot]);
+}
+
+// moe_down with one invocation per (slot, row).
+@compute @workgroup_size(64)
+fn moe_down_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let ff = arg(4u);
+    let out_dim = arg(5u);
+    let n_used = arg(6u);
+    let it = group_index(wid, nwg) * 64u + lid;
+    if (it >= n_used * out_dim) {
+        return;
+    }
+    let slot = it / out_dim;
+    let r = it % out_dim;
+    let e = u32(max(SELECTED[slot], 0));
+    if (e < arg(7u) || e >= arg(8u)) {
+        return;
+    }
+    let nbm = ff / 256u;
+    let at = ((e - arg(7u)) * out_dim + r) * nbm * block_bytes(arg(2u));
+    F1[it] = row_dot_serial(2u, arg(2u), at, nbm, 1u, arg(10u), slot * nbm);
+}

@@ -18,7 +18,10 @@ pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
         return Err(BackendError::new("wgpu", "the wgpu backend implements only --numerics canonical"));
     }
     let name = std::env::var(ADAPTER_ENV).ok().filter(|s| !s.is_empty());
-    Ok(Box::new(imp::WgpuBackend::new(name.as_deref(), None)?))
+    // DS4_WGPU_SUBGROUPS=off keeps the butterfly in workgroup memory on any adapter.
+    let subgroups = std::env::var("DS4_WGPU_SUBGROUPS").ok().map(|v| v != "off" && v != "0");
+    let tuning = Tuning { subgroups, ..Tuning::default() };
+    Ok(Box::new(imp::WgpuBackend::new(name.as_deref(), tuning)?))
 }
 
 #[cfg(not(feature = "wgpu"))]
@@ -26,10 +29,10 @@ pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     Err(BackendError::new("wgpu", "ds4 was built without the `wgpu` feature"))
 }
 
-/// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, then
-/// the file.
+/// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, the
+/// lane reductions (subgroup shuffles or workgroup memory), then the file.
 #[cfg(feature = "wgpu")]
-pub fn shader_source(file: &str) -> Option<String> {
+pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
     let body = match file {
         "matvec" => include_str!("../../shaders/matvec.wgsl"),
         "norm" => include_str!("../../shaders/norm.wgsl"),
@@ -42,7 +45,11 @@ pub fn shader_source(file: &str) -> Option<String> {
         "moe" => include_str!("../../shaders/moe.wgsl"),
         _ => return None,
     };
-    Some(format!("{}{}\n{}", wgsl_constants(), include_str!("../../shaders/common.wgsl"), body))
+    let lanes = match subgroups {
+        true => include_str!("../../shaders/lanes_subgroup.wgsl"),
+        false => include_str!("../../shaders/lanes_shared.wgsl"),
+    };
+    Some(format!("{}{}\n{lanes}\n{body}", wgsl_constants(), include_str!("../../shaders/common.wgsl")))
 }
 
 /// Every shader file.
@@ -75,6 +82,19 @@ pub fn wgsl_constants() -> String {
 #[cfg(feature = "wgpu")]
 pub use imp::{WgpuBackend, WgpuExecutable};
 
+/// Choices the backend makes from the adapter, which tests can force.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tuning {
+    /// Lowers the largest storage binding (to test the splitting of large weights).
+    pub max_binding: Option<u64>,
+    /// One invocation per matrix row (true) or 32 lanes per row (false). Default: per row on
+    /// adapters that run on CPU cores (lavapipe), 32 lanes on GPUs. Same bits either way.
+    pub rows_per_invocation: Option<bool>,
+    /// The 32-lane butterfly with subgroup shuffles. Default: where the adapter has subgroups of
+    /// exactly 32 invocations (NVIDIA); elsewhere through workgroup memory. Same bits either way.
+    pub subgroups: Option<bool>,
+}
+
 #[cfg(feature = "wgpu")]
 mod imp {
     use std::collections::HashMap;
@@ -100,13 +120,14 @@ mod imp {
         info: wgpu::AdapterInfo,
         timestamps: bool,
         max_binding: u64,
+        rows: bool,
+        subgroups: bool,
         errors: Arc<Mutex<Vec<String>>>,
     }
 
     impl WgpuBackend {
         /// Opens the adapter whose name contains `want` (case-insensitive), else the best one.
-        /// `max_binding` lowers the largest storage binding (to test the weight splitting).
-        pub fn new(want: Option<&str>, max_binding: Option<u64>) -> Result<Self, BackendError> {
+        pub fn new(want: Option<&str>, tuning: super::Tuning) -> Result<Self, BackendError> {
             let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
             let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
             let names: Vec<String> =
@@ -137,7 +158,23 @@ mod imp {
             let info = adapter.get_info();
             let limits = adapter.limits();
             let timestamps = adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
-            let features = if timestamps { wgpu::Features::TIMESTAMP_QUERY } else { wgpu::Features::empty() };
+            let lanes32 = adapter.features().contains(wgpu::Features::SUBGROUP)
+                && info.subgroup_min_size == 32
+                && info.subgroup_max_size == 32;
+            let subgroups = match tuning.subgroups {
+                Some(true) if !lanes32 => {
+                    return Err(err(format!("{} has no subgroups of exactly 32 invocations", info.name)))
+                }
+                Some(s) => s,
+                None => lanes32,
+            };
+            let mut features = wgpu::Features::empty();
+            if timestamps {
+                features |= wgpu::Features::TIMESTAMP_QUERY;
+            }
+            if subgroups {
+                features |= wgpu::Features::SUBGROUP;
+            }
             let desc = wgpu::DeviceDescriptor {
                 label: Some("ds4"),
                 required_features: features,
@@ -158,13 +195,16 @@ mod imp {
             }));
             // Byte indices in the shaders are u32: keep every binding under 2 GiB.
             let adapter_max = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size).min(1 << 31);
-            let max_binding = max_binding.map_or(adapter_max, |m| m.min(adapter_max));
-            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, errors })
+            let max_binding = tuning.max_binding.map_or(adapter_max, |m| m.min(adapter_max));
+            let rows = tuning.rows_per_invocation.unwrap_or(info.device_type == wgpu::DeviceType::Cpu);
+            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, rows, subgroups, errors })
         }
 
         /// The adapter's name and API, for the run's header.
         pub fn adapter(&self) -> String {
-            format!("{} ({:?}, {})", self.info.name, self.info.backend, self.info.driver)
+            let lanes = if self.subgroups { "subgroup butterfly" } else { "workgroup-memory butterfly" };
+            let rows = if self.rows { "one invocation per row" } else { "32 lanes per row" };
+            format!("{} ({:?}, {}; {rows}, {lanes})", self.info.name, self.info.backend, self.info.driver)
         }
     }
 
@@ -233,8 +273,8 @@ mod imp {
     }
 
     /// Parses and validates one shader file with naga.
-    pub fn validate(file: &str) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
-        let src = super::shader_source(file).ok_or_else(|| format!("no shader file {file}"))?;
+    pub fn validate(file: &str, subgroups: bool) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
+        let src = super::shader_source(file, subgroups).ok_or_else(|| format!("no shader file {file}"))?;
         let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
         let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
             .validate(&module)
@@ -251,7 +291,7 @@ mod imp {
                 )));
             }
             let device = be.device.clone();
-            let plan = plan::plan(&program, be.max_binding).map_err(err)?;
+            let plan = plan::plan(&program, be.max_binding, be.rows).map_err(err)?;
             use wgpu::util::DeviceExt;
             let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
             let make = |label: &str, bytes: &[u8]| {
@@ -354,8 +394,9 @@ mod imp {
             for (i, d) in plan.dispatches.iter().enumerate() {
                 let file = plan::shader_of(d.entry).ok_or_else(|| err(format!("no shader has '{}'", d.entry)))?;
                 if !modules.contains_key(file) {
-                    let (m, info) = validate(file).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
-                    let src = super::shader_source(file).unwrap_or_default();
+                    let (m, info) =
+                        validate(file, be.subgroups).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
+                    let src = super::shader_source(file, be.subgroups).unwrap_or_default();
                     let sm = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                         label: Some(file),
                         source: wgpu::ShaderSource::Wgsl(src.into()),
@@ -628,15 +669,144 @@ mod imp {
 
     #[cfg(test)]
     mod tests {
+        use wgpu::util::DeviceExt;
+
+        /// Runs `entry` of `body` (appended to the common code) over `data` in place, one
+        /// invocation per element, on the default adapter.
+        fn run_test_shader(body: &str, entry: &str, data: &mut [f32]) {
+            let be = super::WgpuBackend::new(None, super::super::Tuning::default())
+                .unwrap_or_else(|e| panic!("this test needs a wgpu adapter (lavapipe in CI): {e}"));
+            let src = format!(
+                "{}{}\n{}\n{body}",
+                super::super::wgsl_constants(),
+                include_str!("../../shaders/common.wgsl"),
+                include_str!("../../shaders/lanes_shared.wgsl")
+            );
+            let d = &be.device;
+            let sm = d.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: None,
+                source: wgpu::ShaderSource::Wgsl(src.into()),
+            });
+            let pl = d.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: None,
+                module: &sm,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+            let uniform = |bytes: &[u8]| {
+                d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: None,
+                    contents: bytes,
+                    usage: wgpu::BufferUsages::UNIFORM,
+                })
+            };
+            let (params, args) = (uniform(&[0u8; 16]), uniform(&[0u8; 128]));
+            let t = d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            });
+            let bg = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &pl.get_bind_group_layout(0),
+                entries: &[
+                    wgpu::BindGroupEntry { binding: 0, resource: params.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 1, resource: args.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 2, resource: t.as_entire_binding() },
+                ],
+            });
+            let mut enc = d.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&pl);
+                pass.set_bind_group(0, &bg, &[]);
+                pass.dispatch_workgroups((data.len() as u32).div_ceil(64), 1, 1);
+            }
+            be.queue.submit([enc.finish()]);
+            let staging = d.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: 4 * data.len() as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = d.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(&t, 0, &staging, 0, 4 * data.len() as u64);
+            be.queue.submit([enc.finish()]);
+            staging.map_async(wgpu::MapMode::Read, .., |r| r.unwrap());
+            d.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+            data.copy_from_slice(bytemuck::cast_slice(&staging.get_mapped_range(..).unwrap()));
+            assert!(be.errors.lock().unwrap().is_empty(), "{:?}", be.errors.lock().unwrap());
+        }
+
+        /// `fdiv` and `sqrt_rn` give IEEE's correctly rounded results (what the CPU computes),
+        /// whatever the driver's `/` and `sqrt` give; and the correction behind them turns a guess
+        /// up to 3 ulp off (the CPU's result moved by -3..=3 ulp on purpose) into the IEEE result.
+        #[test]
+        fn division_and_square_root_are_corrected_to_ieee() {
+            let body = "
+@group(0) @binding(2) var<storage, read_write> T: array<f32>;
+fn moved(x: f32, k: i32) -> f32 {
+    return bitcast<f32>(u32(i32(bitcast<u32>(x)) + k));
+}
+// Per case: a, b, a/b and sqrt(a) as the CPU computes them, then two free slots.
+@compute @workgroup_size(64)
+fn check(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (!guard()) {
+        return;
+    }
+    let i = 6u * gid.x;
+    if (i + 5u >= arrayLength(&T)) {
+        return;
+    }
+    let k = i32(gid.x % 7u) - 3;
+    let a = T[i];
+    let b = T[i + 1u];
+    T[i + 4u] = fdiv(a, b);
+    T[i + 5u] = sqrt_rn(a);
+    T[i + 2u] = div_rn(a, b, moved(T[i + 2u], k));
+    T[i + 3u] = sqrt_fix(a, moved(T[i + 3u], k));
+}
+";
+            let n = 20000usize;
+            let mut seed = 0x2545_f491_4f6c_dd1du64;
+            let mut next = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            // Magnitudes from 2^-15 to 2^15, both signs for b; a > 0 for the square root.
+            let mag = |r: u64| f32::from_bits((((r % 30) as u32 + 112) << 23) | (r >> 40) as u32 & 0x7f_ffff);
+            let mut data = vec![0f32; 6 * n];
+            for c in data.chunks_exact_mut(6) {
+                let (a, b) = (mag(next()), if next() % 2 == 0 { mag(next()) } else { -mag(next()) });
+                c.copy_from_slice(&[a, b, a / b, a.sqrt(), 0.0, 0.0]);
+            }
+            let want: Vec<(f32, f32)> = data.chunks_exact(6).map(|c| (c[2], c[3])).collect();
+            run_test_shader(body, "check", &mut data);
+            for (i, (c, &(q, s))) in data.chunks_exact(6).zip(&want).enumerate() {
+                let (a, b, k) = (c[0], c[1], i % 7);
+                assert_eq!(c[4].to_bits(), q.to_bits(), "fdiv({a:e}, {b:e})");
+                assert_eq!(c[5].to_bits(), s.to_bits(), "sqrt_rn({a:e})");
+                assert_eq!(c[2].to_bits(), q.to_bits(), "{a:e} / {b:e} from a guess moved {k} - 3 ulp");
+                assert_eq!(c[3].to_bits(), s.to_bits(), "sqrt {a:e} from a guess moved {k} - 3 ulp");
+            }
+        }
+
         /// Every shader file parses and validates with naga, and every entry point the plans
         /// name exists in the file `shader_of` gives.
         #[test]
         fn every_shader_validates_with_naga() {
             for file in super::super::SHADER_FILES {
-                let (m, _) = super::validate(file).unwrap_or_else(|e| panic!("shaders/{file}.wgsl:\n{e}"));
-                assert!(!m.entry_points.is_empty(), "{file}");
-                for ep in &m.entry_points {
-                    assert_eq!(super::plan::shader_of(&ep.name), Some(file), "entry {}", ep.name);
+                for subgroups in [false, true] {
+                    let (m, _) = super::validate(file, subgroups)
+                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
+                    assert!(!m.entry_points.is_empty(), "{file}");
+                    for ep in &m.entry_points {
+                        assert_eq!(super::plan::shader_of(&ep.name), Some(file), "entry {}", ep.name);
+                    }
                 }
             }
         }

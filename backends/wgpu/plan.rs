@@ -80,7 +80,8 @@ pub struct Plan {
 /// The shader file each entry point lives in.
 pub fn shader_of(entry: &str) -> Option<&'static str> {
     Some(match entry {
-        "quantize_q8_0" | "mat_vec_q8_0" | "mat_vec_f16" | "mat_vec_f32" => "matvec",
+        "quantize_q8_0" | "mat_vec_q8_0" | "mat_vec_f16" | "mat_vec_f32" | "mat_vec_q8_0_rows" | "mat_vec_f16_rows"
+        | "mat_vec_f32_rows" => "matvec",
         "rms_norm" => "norm",
         "swiglu" | "add" => "elementwise",
         "rope_tail" => "rope",
@@ -89,7 +90,8 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "compressor_pool" | "compressor_shift" => "kv",
         "indexer_scores" | "indexer_top_k" => "indexer",
         "attention" => "attention",
-        "router_select" | "quantize_q8_k" | "moe_gate_up" | "moe_down" | "moe_sum" => "moe",
+        "router_select" | "quantize_q8_k" | "moe_gate_up" | "moe_down" | "moe_sum" | "moe_gate_up_rows"
+        | "moe_down_rows" => "moe",
         _ => return None,
     })
 }
@@ -112,6 +114,8 @@ pub const MAX_GROUPS_X: u32 = 65535;
 struct Builder<'a> {
     program: &'a Program,
     max_binding: u64,
+    /// One invocation per matrix row (the `_rows` entry points) instead of 32 lanes per row.
+    rows: bool,
     out: Vec<Dispatch>,
     need: Vec<(Scratch, u64)>,
     ropes: Vec<(RopeParams, u32)>,
@@ -202,7 +206,16 @@ impl Builder<'_> {
                 args.extend([n / 4, rows * (in_dim as u32 / 32) * 8]);
                 binds.push((5, Res::Scratch(Scratch::Q8)));
             }
-            self.push(entry, groups(rows as usize, 8), args, binds);
+            if self.rows {
+                let entry = match entry {
+                    "mat_vec_q8_0" => "mat_vec_q8_0_rows",
+                    "mat_vec_f16" => "mat_vec_f16_rows",
+                    _ => "mat_vec_f32_rows",
+                };
+                self.push(entry, groups(rows as usize, 64), args, binds);
+            } else {
+                self.push(entry, groups(rows as usize, 8), args, binds);
+            }
         }
         Ok(())
     }
@@ -435,7 +448,10 @@ impl Builder<'_> {
                         (10, Res::Scratch(Scratch::Mid)),
                     ];
                     binds.extend(q8k);
-                    self.push("moe_gate_up", groups((n_used * ff) as usize, 8), args, binds);
+                    match self.rows {
+                        true => self.push("moe_gate_up_rows", groups((n_used * ff) as usize, 64), args, binds),
+                        false => self.push("moe_gate_up", groups((n_used * ff) as usize, 8), args, binds),
+                    }
                 }
                 let binds = vec![(5, Res::Scratch(Scratch::Q8KMid)), (10, Res::Scratch(Scratch::Mid))];
                 self.push("quantize_q8_k", nb_mid as u32, vec![nb_mid as u32], binds);
@@ -462,7 +478,10 @@ impl Builder<'_> {
                         (11, Res::Scratch(Scratch::Partial)),
                     ];
                     binds.extend(q8k);
-                    self.push("moe_down", groups((n_used * out_dim) as usize, 8), args, binds);
+                    match self.rows {
+                        true => self.push("moe_down_rows", groups((n_used * out_dim) as usize, 64), args, binds),
+                        false => self.push("moe_down", groups((n_used * out_dim) as usize, 8), args, binds),
+                    }
                 }
                 let binds = vec![(10, Res::Buf(out)), (11, Res::Scratch(Scratch::Partial))];
                 self.push("moe_sum", groups(out_dim as usize, 256), vec![out_dim as u32, n_used as u32], binds);
@@ -489,11 +508,13 @@ fn comp_ratio(b: BoundKind) -> Result<u32, String> {
     }
 }
 
-/// Plans every op of `program`, in order. Weights larger than `max_binding` bytes are split.
-pub fn plan(program: &Program, max_binding: u64) -> Result<Plan, String> {
+/// Plans every op of `program`, in order. Weights larger than `max_binding` bytes are split;
+/// `rows` picks the one-invocation-per-row matvecs.
+pub fn plan(program: &Program, max_binding: u64, rows: bool) -> Result<Plan, String> {
     let mut b = Builder {
         program,
         max_binding,
+        rows,
         out: Vec::new(),
         need: Vec::new(),
         ropes: Vec::new(),
