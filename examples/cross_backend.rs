@@ -46,6 +46,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         token = argmax(&logits[0]);
     }
     let names: Vec<String> = exes.iter().map(|(k, _)| k.to_string()).collect();
-    println!("one program (fingerprint {:016x}), 24 tokens: {} agree bit for bit", program.fingerprint(), names.join(", "));
+    println!(
+        "one program (fingerprint {:016x}), 24 tokens: {} agree bit for bit",
+        program.fingerprint(),
+        names.join(", ")
+    );
     Ok(())
 }

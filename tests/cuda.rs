@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use ds4::backend::{self, BackendKind, BackendOptions};

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 

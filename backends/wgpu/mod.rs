@@ -53,7 +53,8 @@ pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
 }
 
 /// Every shader file.
-pub const SHADER_FILES: [&str; 9] = ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe"];
+pub const SHADER_FILES: [&str; 9] =
+    ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe"];
 
 /// The canonical profile's constants as WGSL `f32` literals that parse back to the same bits
 /// (Rust's shortest round-trip form), so the shaders and `crate::numerics` cannot drift apart.
@@ -344,7 +345,8 @@ mod imp {
                         let rb = t.ty.row_bytes(t.dim(0) as usize);
                         for &(r0, n) in ranges {
                             let bytes = &data[r0 as usize * rb..(r0 + n) as usize * rb];
-                            let bytes = if t.ty == GgmlType::Q8_0 { gpu_tables::repack_q8_0(bytes) } else { bytes.to_vec() };
+                            let bytes =
+                                if t.ty == GgmlType::Q8_0 { gpu_tables::repack_q8_0(bytes) } else { bytes.to_vec() };
                             weights.push(make(&t.name, &padded(bytes)));
                         }
                     }
@@ -468,7 +470,12 @@ mod imp {
                 bufs,
                 pipelines,
                 dispatches,
-                _weights: weights.into_iter().chain([grid, dummy, args]).chain(ropes).chain(scratch.into_values()).collect(),
+                _weights: weights
+                    .into_iter()
+                    .chain([grid, dummy, args])
+                    .chain(ropes)
+                    .chain(scratch.into_values())
+                    .collect(),
                 warnings: Vec::new(),
             };
             exe.check_errors()?;
@@ -501,7 +508,8 @@ mod imp {
         fn run(&self, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("token") });
             {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
                 for d in self.dispatches.iter().filter(|d| ops.contains(&d.op)) {
                     pass.set_pipeline(&self.pipelines[d.pipeline]);
                     pass.set_bind_group(0, &d.bind_group, &[]);
@@ -549,14 +557,16 @@ mod imp {
                 usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
             });
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("profile") });
+            let mut enc =
+                self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("profile") });
             for (i, d) in self.dispatches.iter().enumerate() {
                 let tw = wgpu::ComputePassTimestampWrites {
                     query_set: &qs,
                     beginning_of_pass_write_index: Some(2 * i as u32),
                     end_of_pass_write_index: Some(2 * i as u32 + 1),
                 };
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(tw) });
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(tw) });
                 pass.set_pipeline(&self.pipelines[d.pipeline]);
                 pass.set_bind_group(0, &d.bind_group, &[]);
                 pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
@@ -570,7 +580,9 @@ mod imp {
                 .dispatches
                 .iter()
                 .enumerate()
-                .map(|(i, d)| (d.entry.to_string(), ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e3))
+                .map(|(i, d)| {
+                    (d.entry.to_string(), ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e3)
+                })
                 .collect())
         }
     }
@@ -603,7 +615,8 @@ mod imp {
                 let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
                 {
                     let d = &self.dispatches[i];
-                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                    let mut pass =
+                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
                     pass.set_pipeline(&self.pipelines[d.pipeline]);
                     pass.set_bind_group(0, &d.bind_group, &[]);
                     pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);

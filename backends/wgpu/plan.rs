@@ -86,8 +86,8 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         "swiglu" | "add" => "elementwise",
         "rope_tail" => "rope",
         "embed_hc" | "hc_split" | "hc_weighted_sum" | "hc_post" | "hc_head_weights" => "hc",
-        "fp8_round_trip" | "indexer_qat" | "store_raw" | "store_comp_row" | "compressor_store"
-        | "compressor_pool" | "compressor_shift" => "kv",
+        "fp8_round_trip" | "indexer_qat" | "store_raw" | "store_comp_row" | "compressor_store" | "compressor_pool"
+        | "compressor_shift" => "kv",
         "indexer_scores" | "indexer_top_k" => "indexer",
         "attention" => "attention",
         "router_select" | "quantize_q8_k" | "moe_gate_up" | "moe_down" | "moe_sum" | "moe_gate_up_rows"
@@ -391,13 +391,8 @@ impl Builder<'_> {
                     None => Res::Dummy,
                 };
                 let args = vec![n_expert, n_used, scale.to_bits(), bias.is_some() as u32, hash.is_some() as u32];
-                let binds = vec![
-                    (8, Res::Buf(selected)),
-                    (9, Res::Buf(weights)),
-                    (10, Res::Buf(logits)),
-                    (12, b),
-                    (13, h),
-                ];
+                let binds =
+                    vec![(8, Res::Buf(selected)), (9, Res::Buf(weights)), (10, Res::Buf(logits)), (12, b), (13, h)];
                 self.push("router_select", 1, args, binds);
             }
             Op::MoeExperts { x, selected, weights, gate, up, down, out, clamp } => {
