@@ -321,15 +321,10 @@ fn swiglu_clamped(g0: f32, u0: f32, c: f32) -> f32 {
     return fmul(silu(g), u);
 }
 
-// Sign-extended byte k (0..3) of a word.
-fn sbyte(w: u32, k: u32) -> i32 {
-    return extractBits(i32(w), k * 8u, 8u);
-}
-
-// Integer dot of 4 signed bytes packed in each word (exact in any order).
+// Integer dot of 4 signed bytes packed in each word (exact in any order): WGSL's packed 4x8
+// dot product, which drivers map to their int8 dot instruction where they have one.
 fn dot4i8(a: u32, b: u32) -> i32 {
-    return sbyte(a, 0u) * sbyte(b, 0u) + sbyte(a, 1u) * sbyte(b, 1u) + sbyte(a, 2u) * sbyte(b, 2u)
-        + sbyte(a, 3u) * sbyte(b, 3u);
+    return dot4I8Packed(a, b);
 }
 
 // The flat index of this workgroup in a dispatch of (x, y) workgroups.

@@ -108,12 +108,13 @@ fn mat_vec_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         var acc = zero();
         for (var u = 0u; u < 2u; u = u + 1u) {
             let base = c0 + u * 256u + lane * 8u;
-            for (var v = 0u; v < 8u; v = v + 1u) {
+            // Four words of two halves each (rows start on a word: in_dim is even).
+            for (var v = 0u; v < 8u; v = v + 2u) {
                 let i = base + v;
                 if (i < in_dim) {
-                    let hi = wr + i;
-                    let w = h2f((W[hi / 2u] >> ((hi % 2u) * 16u)) & 0xffffu);
-                    acc = fadd(acc, fmul(w, X[xg + i]));
+                    let w = W[(wr + i) / 2u];
+                    acc = fadd(acc, fmul(h2f(w & 0xffffu), X[xg + i]));
+                    acc = fadd(acc, fmul(h2f(w >> 16u), X[xg + i + 1u]));
                 }
             }
         }

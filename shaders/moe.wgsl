@@ -166,7 +166,7 @@ fn wu32(t: u32, i: u32) -> u32 {
     return wu16(t, i) | (wu16(t, i + 2u) << 16u);
 }
 
-// Q8_K block b of the activation (0: XQ, 1: MQ) with nb blocks: d, bsum j, signed quant k.
+// Q8_K block b of the activation (0: XQ, 1: MQ) with nb blocks: d, bsum j.
 fn qd(a: u32, nb: u32, b: u32) -> f32 {
     if (a == 0u) {
         return bitcast<f32>(XQ[b]);
@@ -179,15 +179,6 @@ fn qbsum(a: u32, nb: u32, b: u32, j: u32) -> i32 {
     }
     return i32(MQ[nb + b * 16u + j]);
 }
-fn qs(a: u32, nb: u32, b: u32, k: u32) -> i32 {
-    var w: u32;
-    if (a == 0u) {
-        w = XQ[17u * nb + b * 64u + k / 4u];
-    } else {
-        w = MQ[17u * nb + b * 64u + k / 4u];
-    }
-    return sbyte(w, k % 4u);
-}
 
 // Q4_K 6-bit scale and min of sub-block j (0..8); s is the byte offset of the 12 scale bytes.
 fn q4k_scale_min(t: u32, s: u32, j: u32) -> vec2<i32> {
@@ -199,12 +190,28 @@ fn q4k_scale_min(t: u32, s: u32, j: u32) -> vec2<i32> {
     return vec2<i32>(i32(sc), i32(m));
 }
 
+// Word k (4 quants) of Q8_K block (a, nb, b).
+fn qword(a: u32, nb: u32, b: u32, k: u32) -> u32 {
+    if (a == 0u) {
+        return XQ[17u * nb + b * 64u + k];
+    }
+    return MQ[17u * nb + b * 64u + k];
+}
+
+// 0xff in each byte whose bit (of the low 4) is set.
+fn byte_mask(bits: u32) -> u32 {
+    return select(0u, 0xffu, (bits & 1u) != 0u) | select(0u, 0xff00u, (bits & 2u) != 0u)
+        | select(0u, 0xff0000u, (bits & 4u) != 0u) | select(0u, 0xff000000u, (bits & 8u) != 0u);
+}
+
 // The term of one 256-block (its first byte at `at`) of tensor t of type ty against activation
-// block (a, nb, b): the integer sums are exact; the float combination is ds4's.
+// block (a, nb, b): the integer sums (packed 4x8 dot products) are exact in any order; the float
+// combination is ds4's.
 fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
     let yd = qd(a, nb, b);
     if (ty == 16u) {
         // IQ2_XXS: f16 d, then per 32 values two u32: 4 grid indices, 4x7 sign bits + 4-bit scale.
+        // Grid bytes are below 128, so a negated byte is the same bytes subtracted.
         var bsum = 0;
         for (var ib = 0u; ib < 8u; ib = ib + 1u) {
             let g = at + 2u + 8u * ib;
@@ -215,28 +222,32 @@ fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
                 let gi = (aux0 >> (8u * l)) & 255u;
                 var signs = (aux1 >> (7u * l)) & 127u;
                 signs = signs | ((countOneBits(signs) & 1u) << 7u);
-                for (var j = 0u; j < 8u; j = j + 1u) {
-                    let gv = i32((GRID[gi * 2u + j / 4u] >> ((j % 4u) * 8u)) & 255u);
-                    let q = qs(a, nb, b, 32u * ib + 8u * l + j);
-                    sumi = sumi + select(gv, -gv, ((signs >> j) & 1u) == 1u) * q;
-                }
+                let k = 8u * ib + 2u * l;
+                let g0 = GRID[gi * 2u];
+                let g1 = GRID[gi * 2u + 1u];
+                let m0 = byte_mask(signs);
+                let m1 = byte_mask(signs >> 4u);
+                let q0 = qword(a, nb, b, k);
+                let q1 = qword(a, nb, b, k + 1u);
+                sumi = sumi + dot4I8Packed(g0 & ~m0, q0) - dot4I8Packed(g0 & m0, q0);
+                sumi = sumi + dot4I8Packed(g1 & ~m1, q1) - dot4I8Packed(g1 & m1, q1);
             }
             bsum = bsum + sumi * i32(2u * (aux1 >> 28u) + 1u);
         }
         return fmul(fmul(h2f(wu16(t, at)), yd), f32(bsum));
     }
     if (ty == 10u) {
-        // Q2_K: scales[16], qs[64], f16 d, f16 dmin.
+        // Q2_K: scales[16], qs[64], f16 d, f16 dmin. Blocks are 84 bytes: word-aligned.
         var isum = 0;
         for (var half = 0u; half < 2u; half = half + 1u) {
             for (var j = 0u; j < 4u; j = j + 1u) {
                 var lo = 0;
                 var hi = 0;
-                for (var l = 0u; l < 16u; l = l + 1u) {
-                    lo = lo + i32((wbyte(t, at + 16u + 32u * half + l) >> (2u * j)) & 3u)
-                        * qs(a, nb, b, 128u * half + 32u * j + l);
-                    hi = hi + i32((wbyte(t, at + 16u + 32u * half + 16u + l) >> (2u * j)) & 3u)
-                        * qs(a, nb, b, 128u * half + 32u * j + 16u + l);
+                for (var m = 0u; m < 4u; m = m + 1u) {
+                    let wl = (wword(t, (at + 16u + 32u * half) / 4u + m) >> (2u * j)) & 0x03030303u;
+                    let wh = (wword(t, (at + 32u + 32u * half) / 4u + m) >> (2u * j)) & 0x03030303u;
+                    lo = lo + dot4I8Packed(wl, qword(a, nb, b, 32u * half + 8u * j + m));
+                    hi = hi + dot4I8Packed(wh, qword(a, nb, b, 32u * half + 8u * j + 4u + m));
                 }
                 isum = isum + i32(wbyte(t, at + 8u * half + 2u * j) & 15u) * lo
                     + i32(wbyte(t, at + 8u * half + 2u * j + 1u) & 15u) * hi;
@@ -250,7 +261,7 @@ fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
         let dmin = fmul(yd, h2f(wu16(t, at + 82u)));
         return fsub(fmul(dall, f32(isum)), fmul(dmin, f32(summs)));
     }
-    // Q4_K: f16 d, f16 dmin, scales[12], qs[128].
+    // Q4_K: f16 d, f16 dmin, scales[12], qs[128]. Blocks are 144 bytes: word-aligned.
     var isum = 0;
     var summs = 0;
     for (var c = 0u; c < 4u; c = c + 1u) {
@@ -258,10 +269,10 @@ fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
         let sm2 = q4k_scale_min(t, at + 4u, 2u * c + 1u);
         var lo = 0;
         var hi = 0;
-        for (var l = 0u; l < 32u; l = l + 1u) {
-            let q = wbyte(t, at + 16u + 32u * c + l);
-            lo = lo + i32(q & 15u) * qs(a, nb, b, 64u * c + l);
-            hi = hi + i32(q >> 4u) * qs(a, nb, b, 64u * c + 32u + l);
+        for (var m = 0u; m < 8u; m = m + 1u) {
+            let w = wword(t, (at + 16u + 32u * c) / 4u + m);
+            lo = lo + dot4I8Packed(w & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + m));
+            hi = hi + dot4I8Packed((w >> 4u) & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + 8u + m));
         }
         isum = isum + sm1.x * lo + sm2.x * hi;
         summs = summs + sm1.y * (qbsum(a, nb, b, 4u * c) + qbsum(a, nb, b, 4u * c + 1u));

@@ -3,7 +3,6 @@
 
 mod common;
 
-
 use ds4::gguf::{self, File, GgufProblem, Value, ValueType, Writer};
 use ds4::quant::GgmlType;
 use proptest::prelude::*;
