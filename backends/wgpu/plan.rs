@@ -122,6 +122,8 @@ struct Builder<'a> {
     layouts: Vec<Option<Layout>>,
     cond: [u32; 3],
     op: usize,
+    /// The buffer whose Q8_0 quantization the scratch holds, and the predicate it ran under.
+    q8_of: Option<(Buf, [u32; 3])>,
 }
 
 impl Builder<'_> {
@@ -187,11 +189,18 @@ impl Builder<'_> {
                 if in_dim % 32 != 0 {
                     return Err(format!("Q8_0 rows of {in_dim} are not whole blocks"));
                 }
-                let n = self.len(x) as u64;
-                let d_off = (n / 4) as u32;
-                self.need(Scratch::Q8, n + n / 32 * 4);
-                let binds = vec![(3, Res::Buf(x)), (5, Res::Scratch(Scratch::Q8))];
-                self.push("quantize_q8_0", groups(n as usize / 32, 8), vec![n as u32, d_off], binds);
+                // Consecutive matvecs of one input (q_a and kv, the shared expert's gate and up)
+                // quantize it once, if nothing wrote it since and the quantization ran whenever
+                // this op runs.
+                let fresh = matches!(self.q8_of, Some((q, c)) if q == x && (c == [0; 3] || c == self.cond));
+                if !fresh {
+                    let n = self.len(x) as u64;
+                    let d_off = (n / 4) as u32;
+                    self.need(Scratch::Q8, n + n / 32 * 4);
+                    let binds = vec![(3, Res::Buf(x)), (5, Res::Scratch(Scratch::Q8))];
+                    self.push("quantize_q8_0", groups(n as usize / 32, 8), vec![n as u32, d_off], binds);
+                    self.q8_of = Some((x, self.cond));
+                }
                 "mat_vec_q8_0"
             }
             GgmlType::F16 if in_dim % 2 == 0 => "mat_vec_f16",
@@ -516,10 +525,15 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool) -> Result<Plan, Str
         layouts: vec![None; program.weights().len()],
         cond: [0; 3],
         op: 0,
+        q8_of: None,
     };
     for (i, step) in program.steps().iter().enumerate() {
         b.op = i;
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
+        // What an op writes is no longer what was quantized.
+        if b.q8_of.is_some_and(|(q, _)| step.op.writes().contains(&q)) {
+            b.q8_of = None;
+        }
     }
     for d in &b.out {
         if d.args.len() > 28 {
