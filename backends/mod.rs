@@ -2,4 +2,5 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod gpu_tables;
 pub mod wgpu;

@@ -27,6 +27,10 @@ pub trait Backend {
     fn numerics(&self) -> crate::numerics::Numerics;
     /// Prepares everything once: buffers, pipelines or kernels, uploaded weights.
     fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError>;
+    /// The device it runs on, where that says more than the name (the wgpu adapter and its API).
+    fn describe(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A compiled program, replayed once per token.

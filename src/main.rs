@@ -128,6 +128,9 @@ struct ModelArgs {
     /// CPU worker threads, at most the number of cores (0: all cores).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// wgpu: the adapter whose name contains NAME (case-insensitive); sets DS4_WGPU_ADAPTER.
+    #[arg(long, value_name = "NAME")]
+    adapter: Option<String>,
     /// Numerics: ds4 (CPU only, its default) or canonical (every backend, bit for bit).
     #[arg(long, value_enum)]
     numerics: Option<NumericsArg>,
@@ -334,6 +337,17 @@ fn main() {
         eprintln!("ds4: internal error (a bug, please report it): {msg}{at}");
     }));
     let cli = Cli::parse();
+    // Before any thread starts: the wgpu backend reads the adapter name from the environment.
+    let adapter = match &cli.cmd {
+        Cmd::Run(a) => a.m.adapter.clone(),
+        Cmd::Serve(a) => a.m.adapter.clone(),
+        Cmd::Check(a) => a.m.adapter.clone(),
+        Cmd::Bench(a) => a.m.adapter.clone(),
+        _ => None,
+    };
+    if let Some(name) = adapter {
+        std::env::set_var(ds4::backends::wgpu::ADAPTER_ENV, name);
+    }
     let r = match cli.cmd {
         Cmd::Run(a) => cmd_run(a),
         Cmd::Serve(a) => cmd_serve(a),
@@ -415,6 +429,9 @@ fn make_backend(m: &ModelArgs, which: BackendArg, numerics: Option<NumericsArg>)
     let (backend, note) = engine::make_backend(&choice)?;
     if let Some(note) = note {
         eprintln!("ds4: {note}");
+    }
+    if let Some(device) = backend.describe() {
+        eprintln!("ds4: {} backend on {device}", backend.name());
     }
     Ok(backend)
 }

@@ -182,47 +182,14 @@ pub fn c_header() -> String {
     s
 }
 
-/// How the kernels lay out a block-quantized weight (repacked at upload or drawn so on the
-/// device): the quants of every block first, `quants` bytes from byte `quants_at` of each block,
-/// 16-byte aligned; then the rest of each block (its scales), in the block's own order. GGUF's
-/// blocks (34, 66, 84 or 144 bytes) are only 2- or 4-byte aligned. (type, block bytes, quants_at,
-/// quants.)
-pub const BLOCK_SPLITS: [(crate::quant::GgmlType, u32, u32, u32); 4] = [
-    (crate::quant::GgmlType::Q8_0, 34, 2, 32),
-    (crate::quant::GgmlType::IQ2_XXS, 66, 2, 64),
-    (crate::quant::GgmlType::Q2_K, 84, 16, 64),
-    (crate::quant::GgmlType::Q4_K, 144, 16, 128),
-];
-
-/// The split layout of a type, if the kernels repack it: (block bytes, quants_at, quants).
-pub fn block_split(ty: crate::quant::GgmlType) -> Option<(usize, usize, usize)> {
-    BLOCK_SPLITS.iter().find(|s| s.0 == ty).map(|s| (s.1 as usize, s.2 as usize, s.3 as usize))
-}
-
-/// Reorders GGUF blocks of `ty` into the split layout ([`BLOCK_SPLITS`]); other types come back
-/// unchanged. Same bytes, reordered: the values and so the results do not change.
-pub fn repack_blocks(ty: crate::quant::GgmlType, data: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    let Some((bb, at, nq)) = block_split(ty) else { return std::borrow::Cow::Borrowed(data) };
-    let blocks = data.len() / bb;
-    let mut out = vec![0u8; blocks * bb];
-    let (quants, rest) = out.split_at_mut(blocks * nq);
-    let nr = bb - nq;
-    for (i, b) in data.chunks_exact(bb).enumerate() {
-        quants[nq * i..nq * (i + 1)].copy_from_slice(&b[at..at + nq]);
-        rest[nr * i..nr * i + at].copy_from_slice(&b[..at]);
-        rest[nr * i + at..nr * (i + 1)].copy_from_slice(&b[at + nq..]);
-    }
-    std::borrow::Cow::Owned(out)
-}
-
 /// The split layouts as a C function for the kernels (`ds4_block_split`).
 fn c_block_splits() -> String {
     let mut s = String::from(
-        "// Split layout of a repacked block type (backends/cuda/args.rs: BLOCK_SPLITS): block bytes,\n\
+        "// Split layout of a repacked block type (backends/gpu_tables.rs: BLOCK_SPLITS): block bytes,\n\
          // where its quants start, how many bytes they take. Returns false for other types.\n\
          __device__ __forceinline__ bool ds4_block_split(u32 ty, u32* bb, u32* at, u32* nq) {\n",
     );
-    for (ty, bb, at, nq) in BLOCK_SPLITS {
+    for (ty, bb, at, nq) in crate::backends::gpu_tables::BLOCK_SPLITS {
         s += &format!("    if (ty == {}) {{ *bb = {bb}; *at = {at}; *nq = {nq}; return true; }}\n", ty as u32);
     }
     s += "    return false;\n}\n";
@@ -263,27 +230,6 @@ mod tests {
             }
             assert_eq!(off.div_ceil(8) * 8, size, "{kernel}: C size {off} vs Rust {size}");
         }
-    }
-
-    /// Repacking only reorders: every block's quants and the rest of its bytes come back whole.
-    #[test]
-    fn repacked_blocks_hold_every_byte_of_every_block() {
-        for (ty, bb, at, nq) in BLOCK_SPLITS {
-            let (bb, at, nq) = (bb as usize, at as usize, nq as usize);
-            let data: Vec<u8> = (0..bb * 5).map(|i| (i * 131 % 251) as u8).collect();
-            let out = repack_blocks(ty, &data);
-            assert_eq!(out.len(), data.len());
-            let (quants, rest) = out.split_at(5 * nq);
-            for (i, b) in data.chunks_exact(bb).enumerate() {
-                assert_eq!(&quants[nq * i..nq * (i + 1)], &b[at..at + nq], "{ty:?} block {i} quants");
-                let r = &rest[(bb - nq) * i..(bb - nq) * (i + 1)];
-                assert_eq!(&r[..at], &b[..at], "{ty:?} block {i} head");
-                assert_eq!(&r[at..], &b[at + nq..], "{ty:?} block {i} tail");
-            }
-            assert_eq!(nq % 16, 0, "{ty:?}: quants must stay 16-byte aligned");
-        }
-        let f16 = [1u8, 2, 3, 4];
-        assert_eq!(&*repack_blocks(crate::quant::GgmlType::F16, &f16), &f16);
     }
 
     #[test]

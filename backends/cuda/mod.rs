@@ -59,7 +59,6 @@ mod imp {
     use super::plan::{self, SCRATCH_KINDS};
     use crate::backend::{Backend, BackendError, Executable, GraphFailure};
     use crate::model::Model;
-    use crate::quant::IQ2XXS_GRID;
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
 
     /// Kernel sources, compiled together as one NVRTC program.
@@ -161,7 +160,7 @@ mod imp {
     const COMPILE_FLAGS: (bool, bool, bool, bool) = (false, true, true, false);
 
     /// Draws a synthetic weight in device memory (kernels/synth.cu), as `synth::tensor_data`
-    /// would on the host; block types straight into the split layout (`args::BLOCK_SPLITS`).
+    /// would on the host; block types straight into the split layout (`gpu_tables::BLOCK_SPLITS`).
     fn generate(
         stream: &Arc<CudaStream>,
         func: &CudaFunction,
@@ -200,7 +199,7 @@ mod imp {
             dmin,
             n_expert,
             n_used,
-            repack: args::block_split(t.ty).is_some() as u32,
+            repack: crate::backends::gpu_tables::block_split(t.ty).is_some() as u32,
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
@@ -410,12 +409,12 @@ mod imp {
                 if !model.file.has_data() {
                     return Err(err(format!("tensor '{}' has neither host data nor a recipe", t.name)));
                 }
-                let bytes = args::repack_blocks(t.ty, model.data(t));
+                let bytes = crate::backends::gpu_tables::repack_blocks(t.ty, model.data(t));
                 let d = stream.clone_htod(&bytes[..]).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
                 weight_ptrs.push(d.device_ptr(&stream).0);
                 weights.push(d);
             }
-            let grid_bytes: Vec<u8> = IQ2XXS_GRID.iter().flat_map(|g| g.to_le_bytes()).collect();
+            let grid_bytes = crate::backends::gpu_tables::iq2_xxs_grid_bytes();
             let grid_table = stream.clone_htod(&grid_bytes).map_err(drv("cannot upload the IQ2_XXS grid"))?;
             let grid_ptr = grid_table.device_ptr(&stream).0;
             weights.push(grid_table);
@@ -423,16 +422,7 @@ mod imp {
             // RoPE tables: (cos, sin) per position and pair, computed as the CPU reference does.
             let mut rope_ptrs = Vec::with_capacity(plan.ropes.len());
             for (rope, n_rot) in &plan.ropes {
-                let pairs = *n_rot as usize / 2;
-                let mut table = vec![0f32; program.positions() as usize * pairs * 2];
-                let mut cs = vec![(0f32, 0f32); pairs];
-                for (pos, chunk) in table.chunks_exact_mut(pairs * 2).enumerate() {
-                    rope.cos_sin(pos as u32, *n_rot as usize, &mut cs);
-                    for (k, &(c, s)) in cs.iter().enumerate() {
-                        chunk[2 * k] = c;
-                        chunk[2 * k + 1] = s;
-                    }
-                }
+                let table = crate::backends::gpu_tables::rope_table(rope, *n_rot, program.positions());
                 let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
                 let d = stream.clone_htod(&bytes).map_err(drv("cannot upload a RoPE table"))?;
                 rope_ptrs.push(d.device_ptr(&stream).0);

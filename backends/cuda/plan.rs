@@ -452,7 +452,7 @@ impl Builder<'_> {
                     comp_cap: comp_rows.cap,
                     top_k,
                     max_rows,
-                    kq_scale: attention_kq_scale(head_dim),
+                    kq_scale: crate::backends::gpu_tables::attention_kq_scale(head_dim),
                 };
                 self.launch(n_head, 256, a);
             }
@@ -554,10 +554,6 @@ impl Builder<'_> {
 }
 
 /// `1 / sqrt(head_dim)`, as the CPU computes it (IEEE division and square root).
-pub fn attention_kq_scale(head_dim: u32) -> f32 {
-    1.0 / (head_dim as f32).sqrt()
-}
-
 fn comp_ratio(b: crate::recorder::Bound) -> Result<u32, String> {
     match b.kind {
         crate::recorder::BoundKind::CompRows { ratio } => Ok(ratio),

@@ -1,14 +1,830 @@
-//! The wgpu backend (WGSL compute shaders). Its shaders are not written yet: asking for it is an
-//! error that says so, rather than a silent fallback.
+//! The wgpu backend: the recorded program as WGSL compute dispatches (`shaders/`), bit-identical
+//! to the canonical CPU profile. Pipelines, bind groups and buffers are made once at compile();
+//! each token is one `write_buffer` of the step parameters, one command buffer and one submit.
+//! The adapter is the one named by `DS4_WGPU_ADAPTER` (a case-insensitive part of its name), else
+//! the first discrete GPU, integrated GPU, other adapter, in that order.
 
 use crate::backend::{Backend, BackendError, BackendOptions};
 
 #[cfg(feature = "wgpu")]
-pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
-    Err(BackendError::new("wgpu", "its WGSL kernels are not implemented yet in this version of ds4"))
+pub mod plan;
+
+/// The environment variable that picks an adapter by (part of) its name; `--adapter` sets it.
+pub const ADAPTER_ENV: &str = "DS4_WGPU_ADAPTER";
+
+#[cfg(feature = "wgpu")]
+pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
+    if opts.numerics != crate::numerics::Numerics::Canonical {
+        return Err(BackendError::new("wgpu", "the wgpu backend implements only --numerics canonical"));
+    }
+    let name = std::env::var(ADAPTER_ENV).ok().filter(|s| !s.is_empty());
+    // DS4_WGPU_SUBGROUPS=off keeps the butterfly in workgroup memory on any adapter.
+    let subgroups = std::env::var("DS4_WGPU_SUBGROUPS").ok().map(|v| v != "off" && v != "0");
+    let tuning = Tuning { subgroups, ..Tuning::default() };
+    Ok(Box::new(imp::WgpuBackend::new(name.as_deref(), tuning)?))
 }
 
 #[cfg(not(feature = "wgpu"))]
 pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     Err(BackendError::new("wgpu", "ds4 was built without the `wgpu` feature"))
+}
+
+/// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, the
+/// lane reductions (subgroup shuffles or workgroup memory), then the file.
+#[cfg(feature = "wgpu")]
+pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
+    let body = match file {
+        "matvec" => include_str!("../../shaders/matvec.wgsl"),
+        "norm" => include_str!("../../shaders/norm.wgsl"),
+        "elementwise" => include_str!("../../shaders/elementwise.wgsl"),
+        "rope" => include_str!("../../shaders/rope.wgsl"),
+        "hc" => include_str!("../../shaders/hc.wgsl"),
+        "kv" => include_str!("../../shaders/kv.wgsl"),
+        "indexer" => include_str!("../../shaders/indexer.wgsl"),
+        "attention" => include_str!("../../shaders/attention.wgsl"),
+        "moe" => include_str!("../../shaders/moe.wgsl"),
+        _ => return None,
+    };
+    let lanes = match subgroups {
+        true => include_str!("../../shaders/lanes_subgroup.wgsl"),
+        false => include_str!("../../shaders/lanes_shared.wgsl"),
+    };
+    Some(format!("{}{}\n{lanes}\n{body}", wgsl_constants(), include_str!("../../shaders/common.wgsl")))
+}
+
+/// Every shader file.
+pub const SHADER_FILES: [&str; 9] =
+    ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe"];
+
+/// The canonical profile's constants as WGSL `f32` literals that parse back to the same bits
+/// (Rust's shortest round-trip form), so the shaders and `crate::numerics` cannot drift apart.
+pub fn wgsl_constants() -> String {
+    use crate::numerics::*;
+    let mut s = String::from("// Generated from src/numerics.rs: the canonical profile's constants.\n");
+    let mut def = |name: &str, v: f32| s += &format!("const {name}: f32 = {v:?}f;\n");
+    def("DS4_LN2_HI", LN2_HI);
+    def("DS4_LN2_LO", LN2_LO);
+    def("DS4_LOG2_E", LOG2_E);
+    def("DS4_EXP_MAX", EXP_MAX);
+    def("DS4_EXP_MIN", EXP_MIN);
+    for (i, &c) in EXP_POLY.iter().enumerate() {
+        def(&format!("DS4_EXP_C{}", i + 2), c);
+    }
+    for (i, &c) in LN_POLY.iter().enumerate() {
+        def(&format!("DS4_LN_P{}", i + 1), c);
+    }
+    def("DS4_LN_THIRD", LN_THIRD);
+    def("DS4_SQRT2", std::f32::consts::SQRT_2);
+    def("DS4_HADAMARD_SCALE", std::f32::consts::FRAC_1_SQRT_2 / 8.0);
+    s += &format!("const DS4_ATTN_ROW_CHUNK: u32 = {ATTN_ROW_CHUNK}u;\n");
+    s
+}
+
+#[cfg(feature = "wgpu")]
+pub use imp::{WgpuBackend, WgpuExecutable};
+
+/// Choices the backend makes from the adapter, which tests can force.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tuning {
+    /// Lowers the largest storage binding (to test the splitting of large weights).
+    pub max_binding: Option<u64>,
+    /// One invocation per matrix row (true) or 32 lanes per row (false). Default: per row on
+    /// adapters that run on CPU cores (lavapipe), 32 lanes on GPUs. Same bits either way.
+    pub rows_per_invocation: Option<bool>,
+    /// The 32-lane butterfly with subgroup shuffles. Default: where the adapter has subgroups of
+    /// exactly 32 invocations (NVIDIA); elsewhere through workgroup memory. Same bits either way.
+    pub subgroups: Option<bool>,
+}
+
+#[cfg(feature = "wgpu")]
+mod imp {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use super::plan::{self, Layout, Res, Scratch};
+    use crate::backend::{Backend, BackendError, Executable};
+    use crate::backends::gpu_tables;
+    use crate::model::Model;
+    use crate::quant::{self, GgmlType};
+    use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
+
+    fn err(msg: impl Into<String>) -> BackendError {
+        BackendError::new("wgpu", msg)
+    }
+
+    /// Argument words per dispatch, at the uniform offset alignment (256 bytes on every adapter).
+    const ARGS_STRIDE: u64 = 256;
+
+    pub struct WgpuBackend {
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+        timestamps: bool,
+        max_binding: u64,
+        rows: bool,
+        subgroups: bool,
+        errors: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl WgpuBackend {
+        /// Opens the adapter whose name contains `want` (case-insensitive), else the best one.
+        pub fn new(want: Option<&str>, tuning: super::Tuning) -> Result<Self, BackendError> {
+            let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+            let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+            let names: Vec<String> =
+                adapters.iter().map(|a| format!("{} ({:?})", a.get_info().name, a.get_info().backend)).collect();
+            let rank = |t: wgpu::DeviceType| match t {
+                wgpu::DeviceType::DiscreteGpu => 0,
+                wgpu::DeviceType::IntegratedGpu => 1,
+                wgpu::DeviceType::VirtualGpu => 2,
+                wgpu::DeviceType::Cpu => 3,
+                wgpu::DeviceType::Other => 4,
+            };
+            let adapter = match want {
+                Some(w) => {
+                    let w = w.to_lowercase();
+                    adapters.into_iter().find(|a| a.get_info().name.to_lowercase().contains(&w)).ok_or_else(|| {
+                        err(format!(
+                            "no adapter whose name contains '{w}' (from {}); adapters found: {}",
+                            super::ADAPTER_ENV,
+                            if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                        ))
+                    })?
+                }
+                None => adapters.into_iter().min_by_key(|a| rank(a.get_info().device_type)).ok_or_else(|| {
+                    err("no adapter found (looked for Vulkan, Metal, DX12 and GL adapters); without a GPU, \
+                         install Mesa's lavapipe (Debian/Ubuntu: mesa-vulkan-drivers libvulkan1)")
+                })?,
+            };
+            let info = adapter.get_info();
+            let limits = adapter.limits();
+            let timestamps = adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+            let lanes32 = adapter.features().contains(wgpu::Features::SUBGROUP)
+                && info.subgroup_min_size == 32
+                && info.subgroup_max_size == 32;
+            let subgroups = match tuning.subgroups {
+                Some(true) if !lanes32 => {
+                    return Err(err(format!("{} has no subgroups of exactly 32 invocations", info.name)))
+                }
+                Some(s) => s,
+                None => lanes32,
+            };
+            let mut features = wgpu::Features::empty();
+            if timestamps {
+                features |= wgpu::Features::TIMESTAMP_QUERY;
+            }
+            if subgroups {
+                features |= wgpu::Features::SUBGROUP;
+            }
+            let desc = wgpu::DeviceDescriptor {
+                label: Some("ds4"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                memory_hints: wgpu::MemoryHints::Performance,
+                trace: wgpu::Trace::Off,
+            };
+            let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+                .map_err(|e| err(format!("cannot open {}: {e}", info.name)))?;
+            // Validation errors are collected and returned as errors, never a panic.
+            let errors = Arc::new(Mutex::new(Vec::new()));
+            let sink = errors.clone();
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                if let Ok(mut v) = sink.lock() {
+                    v.push(e.to_string());
+                }
+            }));
+            // Byte indices in the shaders are u32: keep every binding under 2 GiB.
+            let adapter_max = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size).min(1 << 31);
+            let max_binding = tuning.max_binding.map_or(adapter_max, |m| m.min(adapter_max));
+            let rows = tuning.rows_per_invocation.unwrap_or(info.device_type == wgpu::DeviceType::Cpu);
+            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, rows, subgroups, errors })
+        }
+
+        /// The adapter's name and API, for the run's header.
+        pub fn adapter(&self) -> String {
+            let lanes = if self.subgroups { "subgroup butterfly" } else { "workgroup-memory butterfly" };
+            let rows = if self.rows { "one invocation per row" } else { "32 lanes per row" };
+            format!("{} ({:?}, {}; {rows}, {lanes})", self.info.name, self.info.backend, self.info.driver)
+        }
+    }
+
+    impl Backend for WgpuBackend {
+        fn name(&self) -> &'static str {
+            "wgpu"
+        }
+        fn numerics(&self) -> crate::numerics::Numerics {
+            crate::numerics::Numerics::Canonical
+        }
+        fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
+            WgpuExecutable::new(self, program, model).map(|e| Box::new(e) as Box<dyn Executable>)
+        }
+        fn describe(&self) -> Option<String> {
+            Some(self.adapter())
+        }
+    }
+
+    struct Resolved {
+        op: usize,
+        entry: &'static str,
+        pipeline: usize,
+        bind_group: wgpu::BindGroup,
+        groups: (u32, u32),
+    }
+
+    pub struct WgpuExecutable {
+        program: Arc<Program>,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        errors: Arc<Mutex<Vec<String>>>,
+        timestamps: bool,
+        params: wgpu::Buffer,
+        bufs: Vec<wgpu::Buffer>,
+        pipelines: Vec<wgpu::ComputePipeline>,
+        dispatches: Vec<Resolved>,
+        _weights: Vec<wgpu::Buffer>,
+        warnings: Vec<String>,
+    }
+
+    /// Pads bytes to a whole number of 4-byte words (at least one).
+    fn padded(mut v: Vec<u8>) -> Vec<u8> {
+        let n = v.len().div_ceil(4).max(1) * 4;
+        v.resize(n, 0);
+        v
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// The global variables each entry point of a module uses, by binding number.
+    fn used_bindings(module: &naga::Module, info: &naga::valid::ModuleInfo, entry: &str) -> Option<Vec<u32>> {
+        let i = module.entry_points.iter().position(|e| e.name == entry)?;
+        let fi = info.get_entry_point(i);
+        let mut out = Vec::new();
+        for (h, g) in module.global_variables.iter() {
+            if let Some(b) = &g.binding {
+                if !fi[h].is_empty() {
+                    out.push(b.binding);
+                }
+            }
+        }
+        out.sort_unstable();
+        Some(out)
+    }
+
+    /// Parses and validates one shader file with naga.
+    pub fn validate(file: &str, subgroups: bool) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
+        let src = super::shader_source(file, subgroups).ok_or_else(|| format!("no shader file {file}"))?;
+        let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
+        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .map_err(|e| e.emit_to_string(&src))?;
+        Ok((module, info))
+    }
+
+    impl WgpuExecutable {
+        fn new(be: &WgpuBackend, program: Arc<Program>, model: Arc<Model>) -> Result<Self, BackendError> {
+            if !model.file.has_data() {
+                return Err(err(format!(
+                    "{} has no weights in host memory; it runs on --backend cuda, which draws them",
+                    model.file.name()
+                )));
+            }
+            let device = be.device.clone();
+            let plan = plan::plan(&program, be.max_binding, be.rows).map_err(err)?;
+            use wgpu::util::DeviceExt;
+            let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
+            let make = |label: &str, bytes: &[u8]| {
+                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents: bytes,
+                    usage: storage,
+                })
+            };
+            let sized = |label: &str, bytes: u64| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size: bytes.div_ceil(4).max(1) * 4,
+                    usage: storage,
+                    mapped_at_creation: false,
+                })
+            };
+            let max_buffer = device.limits().max_buffer_size;
+            for d in program.buffers() {
+                if d.len as u64 * 4 > max_buffer.min(be.max_binding) {
+                    return Err(err(format!(
+                        "buffer '{}' of {} bytes exceeds the adapter's largest binding; use a smaller --ctx",
+                        d.name,
+                        d.len * 4
+                    )));
+                }
+            }
+            let bufs: Vec<wgpu::Buffer> = program.buffers().iter().map(|d| sized(&d.name, d.len as u64 * 4)).collect();
+
+            // Weights, in the layout the plan chose; chunk k of weight w is weights[wmap[w] + k].
+            let mut weights = Vec::new();
+            let mut wmap = vec![usize::MAX; program.weights().len()];
+            for (i, (t, layout)) in program.weights().iter().zip(&plan.layouts).enumerate() {
+                let Some(layout) = layout else { continue };
+                wmap[i] = weights.len();
+                let data = model.data(t);
+                match layout {
+                    Layout::Vector => {
+                        let mut v = vec![0f32; t.elements() as usize];
+                        quant::dequantize_row(t.ty, data, &mut v).map_err(|e| err(format!("{}: {e}", t.name)))?;
+                        weights.push(make(&t.name, &f32_bytes(&v)));
+                    }
+                    Layout::Raw => {
+                        if data.len() as u64 > be.max_binding {
+                            return Err(err(format!("tensor '{}' exceeds the largest storage binding", t.name)));
+                        }
+                        weights.push(make(&t.name, &padded(data.to_vec())));
+                    }
+                    Layout::Rows(ranges) => {
+                        let rb = t.ty.row_bytes(t.dim(0) as usize);
+                        for &(r0, n) in ranges {
+                            let bytes = &data[r0 as usize * rb..(r0 + n) as usize * rb];
+                            let bytes = if t.ty == GgmlType::Q8_0 {
+                                gpu_tables::repack_blocks(t.ty, bytes).into_owned()
+                            } else {
+                                bytes.to_vec()
+                            };
+                            weights.push(make(&t.name, &padded(bytes)));
+                        }
+                    }
+                    Layout::Experts(ranges) => {
+                        let eb = (t.bytes / t.dim(2)) as usize;
+                        for &(e0, n) in ranges {
+                            let bytes = data[e0 as usize * eb..(e0 + n) as usize * eb].to_vec();
+                            weights.push(make(&t.name, &padded(bytes)));
+                        }
+                    }
+                }
+            }
+            let grid = make("iq2_xxs grid", &gpu_tables::iq2_xxs_grid_bytes());
+            let ropes: Vec<wgpu::Buffer> = plan
+                .ropes
+                .iter()
+                .map(|(r, n_rot)| make("rope", &f32_bytes(&gpu_tables::rope_table(r, *n_rot, program.positions()))))
+                .collect();
+            let scratch: HashMap<Scratch, wgpu::Buffer> =
+                plan.scratch.iter().map(|&(k, bytes)| (k, sized(&format!("{k:?}"), bytes))).collect();
+            let dummy = sized("dummy", 4);
+            let params = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("step params"),
+                size: 16,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut words = vec![0u32; plan.dispatches.len() * ARGS_STRIDE as usize / 4];
+            for (i, d) in plan.dispatches.iter().enumerate() {
+                let at = i * ARGS_STRIDE as usize / 4;
+                words[at..at + 3].copy_from_slice(&d.cond);
+                words[at + 4..at + 4 + d.args.len()].copy_from_slice(&d.args);
+            }
+            let args = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("dispatch args"),
+                contents: bytemuck::cast_slice(&words),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+
+            // One module per shader file, one pipeline per entry point.
+            let mut modules: HashMap<&'static str, (wgpu::ShaderModule, naga::Module, naga::valid::ModuleInfo)> =
+                HashMap::new();
+            let mut pipelines = Vec::new();
+            let mut pipeline_of: HashMap<&'static str, usize> = HashMap::new();
+            let mut dispatches = Vec::with_capacity(plan.dispatches.len());
+            let max_x = device.limits().max_compute_workgroups_per_dimension.min(plan::MAX_GROUPS_X);
+            for (i, d) in plan.dispatches.iter().enumerate() {
+                let file = plan::shader_of(d.entry).ok_or_else(|| err(format!("no shader has '{}'", d.entry)))?;
+                if !modules.contains_key(file) {
+                    let (m, info) =
+                        validate(file, be.subgroups).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
+                    let src = super::shader_source(file, be.subgroups).unwrap_or_default();
+                    let sm = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                        label: Some(file),
+                        source: wgpu::ShaderSource::Wgsl(src.into()),
+                    });
+                    modules.insert(file, (sm, m, info));
+                }
+                let (sm, m, info) = &modules[file];
+                let p = match pipeline_of.get(d.entry) {
+                    Some(&p) => p,
+                    None => {
+                        let pl = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                            label: Some(d.entry),
+                            layout: None,
+                            module: sm,
+                            entry_point: Some(d.entry),
+                            compilation_options: Default::default(),
+                            cache: None,
+                        });
+                        pipelines.push(pl);
+                        pipeline_of.insert(d.entry, pipelines.len() - 1);
+                        pipelines.len() - 1
+                    }
+                };
+                let used = used_bindings(m, info, d.entry)
+                    .ok_or_else(|| err(format!("shaders/{file}.wgsl has no entry point '{}'", d.entry)))?;
+                let mut entries = Vec::with_capacity(used.len());
+                for b in used {
+                    let resource = match b {
+                        0 => params.as_entire_binding(),
+                        1 => wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer: &args,
+                            offset: i as u64 * ARGS_STRIDE,
+                            size: wgpu::BufferSize::new(128),
+                        }),
+                        _ => {
+                            let res = d.binds.iter().find(|(k, _)| *k == b).map(|&(_, r)| r).ok_or_else(|| {
+                                err(format!("op #{} ({}): binding {b} is not planned", d.op, d.entry))
+                            })?;
+                            let buf = match res {
+                                Res::Buf(x) => &bufs[x.0 as usize],
+                                Res::Weight(w, k) => &weights[wmap[w.0 as usize] + k as usize],
+                                Res::Vector(w) => &weights[wmap[w.0 as usize]],
+                                Res::Scratch(s) => scratch.get(&s).ok_or_else(|| err(format!("no scratch {s:?}")))?,
+                                Res::Grid => &grid,
+                                Res::Rope(r) => &ropes[r as usize],
+                                Res::Dummy => &dummy,
+                            };
+                            buf.as_entire_binding()
+                        }
+                    };
+                    entries.push(wgpu::BindGroupEntry { binding: b, resource });
+                }
+                let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some(d.entry),
+                    layout: &pipelines[p].get_bind_group_layout(0),
+                    entries: &entries,
+                });
+                let x = d.groups.min(max_x);
+                let y = d.groups.div_ceil(x);
+                dispatches.push(Resolved { op: d.op, entry: d.entry, pipeline: p, bind_group, groups: (x, y) });
+            }
+            let mut exe = WgpuExecutable {
+                program,
+                device,
+                queue: be.queue.clone(),
+                errors: be.errors.clone(),
+                timestamps: be.timestamps,
+                params,
+                bufs,
+                pipelines,
+                dispatches,
+                _weights: weights
+                    .into_iter()
+                    .chain([grid, dummy, args])
+                    .chain(ropes)
+                    .chain(scratch.into_values())
+                    .collect(),
+                warnings: Vec::new(),
+            };
+            exe.check_errors()?;
+            exe.reset()?;
+            Ok(exe)
+        }
+
+        /// The first validation or device error wgpu reported since the last check.
+        fn check_errors(&self) -> Result<(), BackendError> {
+            let mut v = self.errors.lock().map_err(|_| err("the error log is poisoned"))?;
+            let first = v.drain(..).next();
+            match first {
+                Some(e) => Err(err(e)),
+                None => Ok(()),
+            }
+        }
+
+        fn wait(&self) -> Result<(), BackendError> {
+            self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| err(format!("device lost: {e}")))?;
+            self.check_errors()
+        }
+
+        fn write_params(&self, p: &StepParams) -> Result<(), BackendError> {
+            self.program.check_params(p).map_err(err)?;
+            self.queue.write_buffer(&self.params, 0, bytemuck::cast_slice(&[p.token, p.pos, 0u32, 0u32]));
+            Ok(())
+        }
+
+        /// Records the dispatches of ops in `ops` into one compute pass and submits it.
+        fn run(&self, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("token") });
+            {
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                for d in self.dispatches.iter().filter(|d| ops.contains(&d.op)) {
+                    pass.set_pipeline(&self.pipelines[d.pipeline]);
+                    pass.set_bind_group(0, &d.bind_group, &[]);
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                }
+            }
+            self.queue.submit([enc.finish()]);
+            self.check_errors()
+        }
+
+        fn read_raw(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, BackendError> {
+            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size: bytes.max(4),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
+            enc.copy_buffer_to_buffer(buf, 0, &staging, 0, bytes.max(4));
+            self.queue.submit([enc.finish()]);
+            let (tx, rx) = std::sync::mpsc::channel();
+            staging.map_async(wgpu::MapMode::Read, .., move |r| {
+                let _ = tx.send(r);
+            });
+            self.wait()?;
+            rx.recv()
+                .map_err(|_| err("the read-back never completed"))?
+                .map_err(|e| err(format!("cannot read a buffer back: {e}")))?;
+            let out = staging.get_mapped_range(..).map_err(|e| err(format!("cannot map: {e}")))?.to_vec();
+            staging.unmap();
+            Ok(out[..bytes as usize].to_vec())
+        }
+
+        /// Times each dispatch with timestamp queries, one compute pass per dispatch.
+        fn profile_timestamps(&self) -> Result<Vec<(String, f64)>, BackendError> {
+            let n = self.dispatches.len() as u32;
+            let qs = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("profile"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2 * n,
+            });
+            let resolve = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("timestamps"),
+                size: 16 * n as u64,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            let mut enc =
+                self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("profile") });
+            for (i, d) in self.dispatches.iter().enumerate() {
+                let tw = wgpu::ComputePassTimestampWrites {
+                    query_set: &qs,
+                    beginning_of_pass_write_index: Some(2 * i as u32),
+                    end_of_pass_write_index: Some(2 * i as u32 + 1),
+                };
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(tw) });
+                pass.set_pipeline(&self.pipelines[d.pipeline]);
+                pass.set_bind_group(0, &d.bind_group, &[]);
+                pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+            }
+            enc.resolve_query_set(&qs, 0..2 * n, &resolve, 0);
+            self.queue.submit([enc.finish()]);
+            let raw = self.read_raw(&resolve, 16 * n as u64)?;
+            let ticks: &[u64] = bytemuck::cast_slice(&raw);
+            let period = self.queue.get_timestamp_period() as f64;
+            Ok(self
+                .dispatches
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    (d.entry.to_string(), ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e3)
+                })
+                .collect())
+        }
+    }
+
+    impl Executable for WgpuExecutable {
+        fn program(&self) -> &Arc<Program> {
+            &self.program
+        }
+
+        fn step(&mut self, p: &StepParams) -> Result<(), BackendError> {
+            self.write_params(p)?;
+            self.run(0..usize::MAX)
+        }
+
+        fn step_ops(&mut self, p: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+            self.write_params(p)?;
+            self.run(ops)
+        }
+
+        fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
+            self.write_params(p)?;
+            if self.timestamps {
+                return Ok(crate::backend::summarize_profile(self.profile_timestamps()?));
+            }
+            // No timestamp queries on this adapter: time each dispatch from the host.
+            self.warnings.push("this adapter has no timestamp queries: the profile is timed on the host".into());
+            let mut times = Vec::new();
+            for i in 0..self.dispatches.len() {
+                let t0 = std::time::Instant::now();
+                let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+                {
+                    let d = &self.dispatches[i];
+                    let mut pass =
+                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                    pass.set_pipeline(&self.pipelines[d.pipeline]);
+                    pass.set_bind_group(0, &d.bind_group, &[]);
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                }
+                self.queue.submit([enc.finish()]);
+                self.wait()?;
+                times.push((self.dispatches[i].entry.to_string(), t0.elapsed().as_secs_f64() * 1e6));
+            }
+            Ok(crate::backend::summarize_profile(times))
+        }
+
+        fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError> {
+            let d = self.program.buffers().get(buf.0 as usize).ok_or_else(|| err(format!("no buffer {}", buf.0)))?;
+            if d.len != data.len() {
+                return Err(err(format!("buffer '{}' holds {} values, not {}", d.name, d.len, data.len())));
+            }
+            let raw: Vec<u32> = match d.dtype {
+                DType::F32 => data.iter().map(|v| v.to_bits()).collect(),
+                DType::I32 => data.iter().map(|&v| v as i32 as u32).collect(),
+            };
+            self.queue.write_buffer(&self.bufs[buf.0 as usize], 0, bytemuck::cast_slice(&raw));
+            self.wait()
+        }
+
+        fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+            *out = self.read_buffer(self.program.logits())?;
+            Ok(())
+        }
+
+        fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError> {
+            let d = self.program.buffers().get(buf.0 as usize).ok_or_else(|| err(format!("no buffer {}", buf.0)))?;
+            let raw = self.read_raw(&self.bufs[buf.0 as usize], d.len as u64 * 4)?;
+            let words: Vec<u32> = raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            Ok(match d.dtype {
+                DType::F32 => words.into_iter().map(f32::from_bits).collect(),
+                DType::I32 => words.into_iter().map(|v| v as i32 as f32).collect(),
+            })
+        }
+
+        fn reset(&mut self) -> Result<(), BackendError> {
+            for (d, b) in self.program.buffers().iter().zip(&self.bufs) {
+                let init = match d.kind {
+                    BufKind::State { init } => init,
+                    BufKind::Scratch => 0.0,
+                };
+                let word = match d.dtype {
+                    DType::F32 => init.to_bits(),
+                    DType::I32 => init as i32 as u32,
+                };
+                self.queue.write_buffer(b, 0, bytemuck::cast_slice(&vec![word; d.len.max(1)]));
+            }
+            self.wait()
+        }
+
+        fn nodes_per_token(&self) -> Option<usize> {
+            Some(self.dispatches.len())
+        }
+
+        fn take_warnings(&mut self) -> Vec<String> {
+            std::mem::take(&mut self.warnings)
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use wgpu::util::DeviceExt;
+
+        /// Runs `entry` of `body` (appended to the common code) over `data` in place, one
+        /// invocation per element, on the default adapter.
+        fn run_test_shader(body: &str, entry: &str, data: &mut [f32]) {
+            let be = super::WgpuBackend::new(None, super::super::Tuning::default())
+                .unwrap_or_else(|e| panic!("this test needs a wgpu adapter (lavapipe in CI): {e}"));
+            let src = format!(
+                "{}{}\n{}\n{body}",
+                super::super::wgsl_constants(),
+                include_str!("../../shaders/common.wgsl"),
+                include_str!("../../shaders/lanes_shared.wgsl")
+            );
+            let d = &be.device;
+            let sm = d.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: None,
+                source: wgpu::ShaderSource::Wgsl(src.into()),
+            });
+            let pl = d.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: None,
+                module: &sm,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+            let uniform = |bytes: &[u8]| {
+                d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: None,
+                    contents: bytes,
+                    usage: wgpu::BufferUsages::UNIFORM,
+                })
+            };
+            let (params, args) = (uniform(&[0u8; 16]), uniform(&[0u8; 128]));
+            let t = d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            });
+            let bg = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &pl.get_bind_group_layout(0),
+                entries: &[
+                    wgpu::BindGroupEntry { binding: 0, resource: params.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 1, resource: args.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 2, resource: t.as_entire_binding() },
+                ],
+            });
+            let mut enc = d.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&pl);
+                pass.set_bind_group(0, &bg, &[]);
+                pass.dispatch_workgroups((data.len() as u32).div_ceil(64), 1, 1);
+            }
+            be.queue.submit([enc.finish()]);
+            let staging = d.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: 4 * data.len() as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = d.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(&t, 0, &staging, 0, 4 * data.len() as u64);
+            be.queue.submit([enc.finish()]);
+            staging.map_async(wgpu::MapMode::Read, .., |r| r.unwrap());
+            d.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+            data.copy_from_slice(bytemuck::cast_slice(&staging.get_mapped_range(..).unwrap()));
+            assert!(be.errors.lock().unwrap().is_empty(), "{:?}", be.errors.lock().unwrap());
+        }
+
+        /// `fdiv` and `sqrt_rn` give IEEE's correctly rounded results (what the CPU computes),
+        /// whatever the driver's `/` and `sqrt` give; and the correction behind them turns a guess
+        /// up to 3 ulp off (the CPU's result moved by -3..=3 ulp on purpose) into the IEEE result.
+        #[test]
+        fn division_and_square_root_are_corrected_to_ieee() {
+            let body = "
+@group(0) @binding(2) var<storage, read_write> T: array<f32>;
+fn moved(x: f32, k: i32) -> f32 {
+    return bitcast<f32>(u32(i32(bitcast<u32>(x)) + k));
+}
+// Per case: a, b, a/b and sqrt(a) as the CPU computes them, then two free slots.
+@compute @workgroup_size(64)
+fn check(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (!guard()) {
+        return;
+    }
+    let i = 6u * gid.x;
+    if (i + 5u >= arrayLength(&T)) {
+        return;
+    }
+    let k = i32(gid.x % 7u) - 3;
+    let a = T[i];
+    let b = T[i + 1u];
+    T[i + 4u] = fdiv(a, b);
+    T[i + 5u] = sqrt_rn(a);
+    T[i + 2u] = div_rn(a, b, moved(T[i + 2u], k));
+    T[i + 3u] = sqrt_fix(a, moved(T[i + 3u], k));
+}
+";
+            let n = 20000usize;
+            let mut seed = 0x2545_f491_4f6c_dd1du64;
+            let mut next = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            // Magnitudes from 2^-15 to 2^15, both signs for b; a > 0 for the square root.
+            let mag = |r: u64| f32::from_bits((((r % 30) as u32 + 112) << 23) | (r >> 40) as u32 & 0x7f_ffff);
+            let mut data = vec![0f32; 6 * n];
+            for c in data.chunks_exact_mut(6) {
+                let (a, b) = (mag(next()), if next() % 2 == 0 { mag(next()) } else { -mag(next()) });
+                c.copy_from_slice(&[a, b, a / b, a.sqrt(), 0.0, 0.0]);
+            }
+            let want: Vec<(f32, f32)> = data.chunks_exact(6).map(|c| (c[2], c[3])).collect();
+            run_test_shader(body, "check", &mut data);
+            for (i, (c, &(q, s))) in data.chunks_exact(6).zip(&want).enumerate() {
+                let (a, b, k) = (c[0], c[1], i % 7);
+                assert_eq!(c[4].to_bits(), q.to_bits(), "fdiv({a:e}, {b:e})");
+                assert_eq!(c[5].to_bits(), s.to_bits(), "sqrt_rn({a:e})");
+                assert_eq!(c[2].to_bits(), q.to_bits(), "{a:e} / {b:e} from a guess moved {k} - 3 ulp");
+                assert_eq!(c[3].to_bits(), s.to_bits(), "sqrt {a:e} from a guess moved {k} - 3 ulp");
+            }
+        }
+
+        /// Every shader file parses and validates with naga, and every entry point the plans
+        /// name exists in the file `shader_of` gives.
+        #[test]
+        fn every_shader_validates_with_naga() {
+            for file in super::super::SHADER_FILES {
+                for subgroups in [false, true] {
+                    let (m, _) = super::validate(file, subgroups)
+                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
+                    assert!(!m.entry_points.is_empty(), "{file}");
+                    for ep in &m.entry_points {
+                        assert_eq!(super::plan::shader_of(&ep.name), Some(file), "entry {}", ep.name);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,353 @@
+// Shared by every shader file (prepended by backends/wgpu): the step parameters, each dispatch's
+// argument words, the opaque float arithmetic, f16 conversion, the canonical reductions, exp and
+// log1p. The numerics constants are generated from src/numerics.rs and prepended before this.
+
+struct Params {
+    token: u32,
+    pos: u32,
+    // Always 0, but the compiler cannot know it: the opaque identity below XORs with it.
+    zero: u32,
+    pad: u32,
+}
+
+// Words 0..4: the predicate (kind, ratio, top_k, unused); words 4..: the op's arguments.
+struct Args {
+    w: array<vec4<u32>, 8>,
+}
+
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<uniform> A: Args;
+
+fn arg(i: u32) -> u32 {
+    return A.w[(i + 4u) / 4u][(i + 4u) % 4u];
+}
+fn argf(i: u32) -> f32 {
+    return bitcast<f32>(arg(i));
+}
+
+var<private> Z: u32;
+
+// Every entry point starts with `if (!guard()) { return; }`: the op's predicate, evaluated from
+// the step parameters (uniform, so barriers after it stay in uniform control flow).
+fn guard() -> bool {
+    Z = P.zero;
+    let kind = A.w[0].x;
+    let ratio = A.w[0].y;
+    let top_k = A.w[0].z;
+    if (kind == 0u) {
+        return true;
+    }
+    if (kind == 1u) {
+        return (P.pos + 1u) % ratio == 0u;
+    }
+    return (P.pos + 1u) / ratio > top_k;
+}
+
+// The opaque identity: the driver can neither fuse a product into a sum (NVIDIA does, whatever
+// the WGSL says) nor reassociate (Mesa's NIR does with constants) through an XOR with a value it
+// does not know. Every float +, -, * and / goes through it (shared/reference/wgsl-exactness.md).
+fn o(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) ^ Z);
+}
+fn zero() -> f32 {
+    return bitcast<f32>(Z);
+}
+fn fadd(a: f32, b: f32) -> f32 {
+    return o(a + b);
+}
+fn fsub(a: f32, b: f32) -> f32 {
+    return o(a - b);
+}
+fn fmul(a: f32, b: f32) -> f32 {
+    return o(a * b);
+}
+// IEEE division and square root, correctly rounded: WGSL's `/` and `sqrt` may be 2.5 ulp off
+// (NVIDIA's Vulkan driver is; lavapipe rounds them correctly), so the hardware result is only a
+// first guess, corrected with exact residuals (Dekker's product from + - * alone).
+fn fdiv(a: f32, b: f32) -> f32 {
+    return div_rn(a, b, o(o(a) / o(b)));
+}
+fn sqrt_rn(a: f32) -> f32 {
+    return sqrt_fix(a, o(sqrt(o(a))));
+}
+
+// x split into a high part of 12 significant bits and the rest (Veltkamp), exactly.
+fn split12(x: f32) -> vec2<f32> {
+    let t = fmul(4097.0, x);
+    let hi = fsub(t, fsub(t, x));
+    return vec2<f32>(hi, fsub(x, hi));
+}
+
+// a - x*y, exact whenever the result is representable and x*y is within a factor 2 of a.
+fn residual(a: f32, x: f32, y: f32) -> f32 {
+    let p = fmul(x, y);
+    let xs = split12(x);
+    let ys = split12(y);
+    let e = fadd(fadd(fadd(fsub(fmul(xs.x, ys.x), p), fmul(xs.x, ys.y)), fmul(xs.y, ys.x)), fmul(xs.y, ys.y));
+    return fsub(fsub(a, p), e);
+}
+
+// The unbiased exponent of a finite nonzero x.
+fn exponent(x: f32) -> i32 {
+    return i32((bitcast<u32>(x) >> 23u) & 0xffu) - 127;
+}
+
+// Whether x is normal with its exponent in [lo, hi] (no overflow or underflow in the residuals).
+fn in_range(x: f32, lo: i32, hi: i32) -> bool {
+    let e = exponent(x);
+    return x != 0.0 && e >= lo && e <= hi;
+}
+
+// The next float away from zero, and towards zero, of a finite nonzero x.
+fn next_out(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) + 1u);
+}
+fn next_in(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) - 1u);
+}
+
+// a / b correctly rounded from a guess q0 within 3 ulp: of q0 and its neighbours, the one with
+// the smallest |a - q*b| (ties cannot happen for normal quotients). Outside the range where the
+// residuals are exact the guess is returned.
+fn div_rn(a: f32, b: f32, q0: f32) -> f32 {
+    if (!in_range(a, -80, 80) || !in_range(b, -40, 40) || !in_range(q0, -40, 40)) {
+        return q0;
+    }
+    var best = q0;
+    var best_r = abs(residual(a, q0, b));
+    var up = q0;
+    var dn = q0;
+    for (var k = 0; k < 3; k = k + 1) {
+        up = next_out(up);
+        let ru = abs(residual(a, up, b));
+        if (ru < best_r) {
+            best = up;
+            best_r = ru;
+        }
+        dn = next_in(dn);
+        let rd = abs(residual(a, dn, b));
+        if (rd < best_r) {
+            best = dn;
+            best_r = rd;
+        }
+    }
+    return best;
+}
+
+// sqrt(a) correctly rounded from a guess s: move s by an ulp while a lies beyond the midpoint
+// to a neighbour. With r = a - s*s (exact), a > (s + u/2)^2 exactly when r - s*u > 0, and
+// a < (s - d/2)^2 exactly when r + s*d < 0 (u, d: the gaps to the neighbours; no ties).
+fn sqrt_fix(a: f32, s0: f32) -> f32 {
+    if (!(a > 0.0) || !in_range(a, -80, 80) || !in_range(s0, -40, 40)) {
+        return s0;
+    }
+    var s = s0;
+    for (var k = 0; k < 4; k = k + 1) {
+        let r = residual(a, s, s);
+        let up = next_out(s);
+        if (fsub(r, fmul(s, fsub(up, s))) > 0.0) {
+            s = up;
+            continue;
+        }
+        let dn = next_in(s);
+        if (fadd(r, fmul(s, fsub(s, dn))) < 0.0) {
+            s = dn;
+            continue;
+        }
+        break;
+    }
+    return s;
+}
+
+fn pow2i(k: i32) -> f32 {
+    return bitcast<f32>(u32(k + 127) << 23u);
+}
+
+// f16 bits (low 16 bits of h) to f32, exactly, from integer operations only.
+fn h2f(h: u32) -> f32 {
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 31u;
+    let m = h & 0x3ffu;
+    if (e == 31u) {
+        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
+    }
+    if (e == 0u) {
+        // Subnormal or zero: m * 2^-24 (exact).
+        let v = f32(m) * bitcast<f32>(0x33800000u);
+        return bitcast<f32>(sign | bitcast<u32>(v));
+    }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}
+
+// f32 to f16 bits, round to nearest even; overflow to infinity; NaN to 0x7e00 with the sign.
+fn f2h(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    let sign = (b >> 16u) & 0x8000u;
+    let a = b & 0x7fffffffu;
+    if (a > 0x7f800000u) {
+        return sign | 0x7e00u;
+    }
+    if (a >= 0x477ff000u) {
+        return sign | 0x7c00u;
+    }
+    if (a < 0x38800000u) {
+        // Below 2^-14: a subnormal half (units of 2^-24), or zero.
+        if (a < 0x33000000u) {
+            return sign;
+        }
+        let e = a >> 23u;
+        let m = (a & 0x7fffffu) | 0x800000u;
+        let s = 126u - e;
+        var q = m >> s;
+        let rem = m & ((1u << s) - 1u);
+        let half = 1u << (s - 1u);
+        if (rem > half || (rem == half && (q & 1u) == 1u)) {
+            q = q + 1u;
+        }
+        return sign | q;
+    }
+    var q = (((a >> 23u) - 112u) << 10u) | ((a & 0x7fffffu) >> 13u);
+    let rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u) == 1u)) {
+        q = q + 1u;
+    }
+    return sign | q;
+}
+
+fn round_f16(x: f32) -> f32 {
+    return h2f(f2h(x));
+}
+
+// The canonical exp (numerics::exp).
+fn ds4_exp(x: f32) -> f32 {
+    if (x != x) {
+        return x;
+    }
+    if (x > DS4_EXP_MAX) {
+        return bitcast<f32>(0x7f800000u);
+    }
+    if (x < DS4_EXP_MIN) {
+        return 0.0;
+    }
+    let k = round(fmul(x, DS4_LOG2_E));
+    let r = fsub(fsub(x, fmul(k, DS4_LN2_HI)), fmul(k, DS4_LN2_LO));
+    var p = DS4_EXP_C7;
+    p = fadd(fmul(p, r), DS4_EXP_C6);
+    p = fadd(fmul(p, r), DS4_EXP_C5);
+    p = fadd(fmul(p, r), DS4_EXP_C4);
+    p = fadd(fmul(p, r), DS4_EXP_C3);
+    p = fadd(fmul(p, r), DS4_EXP_C2);
+    p = fadd(fmul(p, r), 1.0);
+    p = fadd(fmul(p, r), 1.0);
+    let ki = i32(k);
+    let k1 = ki / 2;
+    let y = fmul(fmul(p, pow2i(k1)), pow2i(ki - k1));
+    if (y < bitcast<f32>(0x00800000u)) {
+        return 0.0;
+    }
+    return y;
+}
+
+// The canonical log1p (numerics::ln_1p).
+fn ds4_log1p(x: f32) -> f32 {
+    if (x != x || x < -1.0) {
+        return bitcast<f32>(0x7fc00000u);
+    }
+    if (x == -1.0) {
+        return bitcast<f32>(0xff800000u);
+    }
+    if (x == bitcast<f32>(0x7f800000u)) {
+        return x;
+    }
+    if (abs(x) < bitcast<f32>(0x39800000u)) {
+        let x2 = fmul(x, x);
+        return fadd(fsub(x, fmul(x2, 0.5)), fmul(fmul(x2, x), DS4_LN_THIRD));
+    }
+    let u = fadd(1.0, x);
+    var c = 0.0;
+    if (u < 16777216.0) {
+        c = fdiv(fsub(x, fsub(u, 1.0)), u);
+    }
+    let bits = bitcast<u32>(u);
+    var j = i32((bits >> 23u) & 0xffu) - 127;
+    var m = bitcast<f32>((bits & 0x007fffffu) | 0x3f800000u);
+    if (m > DS4_SQRT2) {
+        m = fmul(m, 0.5);
+        j = j + 1;
+    }
+    let f = fsub(m, 1.0);
+    let hfsq = fmul(fmul(0.5, f), f);
+    let s = fdiv(f, fadd(2.0, f));
+    let z = fmul(s, s);
+    var p = DS4_LN_P5;
+    p = fadd(fmul(p, z), DS4_LN_P4);
+    p = fadd(fmul(p, z), DS4_LN_P3);
+    p = fadd(fmul(p, z), DS4_LN_P2);
+    p = fadd(fmul(p, z), DS4_LN_P1);
+    let r = fmul(z, p);
+    let jf = f32(j);
+    return fsub(fmul(jf, DS4_LN2_HI), fsub(fsub(hfsq, fadd(fmul(s, fadd(hfsq, r)), fadd(fmul(jf, DS4_LN2_LO), c))), f));
+}
+
+// The smallest power of two >= t, for positive normal t (numerics::pow2_ceil).
+fn pow2_ceil(t: f32) -> f32 {
+    let b = bitcast<u32>(t);
+    if ((b & 0x007fffffu) == 0u) {
+        return t;
+    }
+    return bitcast<f32>((b & 0x7f800000u) + 0x00800000u);
+}
+
+fn sigmoid(x: f32) -> f32 {
+    if (x >= 0.0) {
+        return fdiv(1.0, fadd(1.0, ds4_exp(-x)));
+    }
+    let e = ds4_exp(x);
+    return fdiv(e, fadd(1.0, e));
+}
+
+fn silu(x: f32) -> f32 {
+    return fmul(x, sigmoid(x));
+}
+
+// SwiGLU with ds4's clamp: the gate only from above, the up both ways.
+fn swiglu_clamped(g0: f32, u0: f32, c: f32) -> f32 {
+    var g = g0;
+    var u = u0;
+    if (c > 1.0e-6) {
+        g = min(g, c);
+        u = min(max(u, -c), c);
+    }
+    return fmul(silu(g), u);
+}
+
+// Integer dot of 4 signed bytes packed in each word (exact in any order): WGSL's packed 4x8
+// dot product, which drivers map to their int8 dot instruction where they have one.
+fn dot4i8(a: u32, b: u32) -> i32 {
+    return dot4I8Packed(a, b);
+}
+
+// The flat index of this workgroup in a dispatch of (x, y) workgroups.
+fn group_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return wid.x + wid.y * nwg.x;
+}
+
+// The same butterfly for 32 lane sums held by one invocation: for o = 16, 8, 4, 2, 1, lane l < o
+// adds lane l + o (what the xor butterfly leaves in lane 0). For adapters that run invocations
+// on CPU cores (lavapipe), where one invocation per row beats 32 lanes and their barriers.
+fn tree32(v: ptr<function, array<f32, 32>>) -> f32 {
+    for (var off = 16u; off > 0u; off = off / 2u) {
+        for (var l = 0u; l < off; l = l + 1u) {
+            (*v)[l] = fadd((*v)[l], (*v)[l + off]);
+        }
+    }
+    return (*v)[0];
+}
+
+fn zero32() -> array<f32, 32> {
+    var v: array<f32, 32>;
+    for (var l = 0u; l < 32u; l = l + 1u) {
+        v[l] = zero();
+    }
+    return v;
+}

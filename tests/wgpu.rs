@@ -1,0 +1,120 @@
+//! The wgpu backend against the canonical CPU, bit for bit. CI runs these on Mesa's lavapipe
+//! (`.ci/run` installs it); a machine without any wgpu adapter fails them, it does not skip.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use std::sync::Arc;
+
+use ds4::backend::{Backend, BackendKind, BackendOptions};
+use ds4::backends::cpu::CpuBackend;
+use ds4::backends::wgpu::{Tuning, WgpuBackend};
+use ds4::gguf::File;
+use ds4::model::Model;
+use ds4::numerics::Numerics;
+use ds4::recorder::StepParams;
+use ds4::session::Session;
+use ds4::synth::{self, Preset};
+
+use common::{golden, golden_tokens};
+
+fn wgpu_backend() -> Box<dyn Backend> {
+    let opts = BackendOptions { threads: 0, graphs: false, numerics: Numerics::Canonical };
+    ds4::backend::create(BackendKind::Wgpu, opts)
+        .unwrap_or_else(|e| panic!("this test needs a wgpu adapter (lavapipe in CI): {e}"))
+}
+
+fn wgpu_tuned(tuning: Tuning) -> WgpuBackend {
+    WgpuBackend::new(None, tuning).unwrap_or_else(|e| panic!("this test needs a wgpu adapter (lavapipe in CI): {e}"))
+}
+
+fn preset_model(p: &Preset) -> Arc<Model> {
+    Model::from_file(File::from_bytes("t", synth::build(p, 1)).unwrap()).unwrap()
+}
+
+/// Teacher-forced on `tokens`, then greedy (on the reference's argmax) for `extra` steps; every
+/// step's logits must have the same bits. Returns the number of steps compared.
+fn compare(model: &Arc<Model>, gpu: &dyn Backend, tokens: &[u32], extra: usize, ctx: usize) -> usize {
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let mut a = Session::new(model.clone(), &cpu, ctx).unwrap();
+    let mut b = Session::new(model.clone(), gpu, ctx).unwrap();
+    let mut next = tokens[0];
+    let n = tokens.len() + extra;
+    for i in 0..n {
+        let t = if i < tokens.len() { tokens[i] } else { next };
+        let want = a.eval(t).unwrap().to_vec();
+        let got = b.eval(t).unwrap();
+        let bad = want.iter().zip(got).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        let worst = want.iter().zip(got).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(bad == 0 && want.len() == got.len(), "step {i} (token {t}): {bad} logits differ, worst {worst}");
+        next = ds4::sample::argmax(&want);
+    }
+    n
+}
+
+#[test]
+fn wgpu_equals_canonical_cpu_on_the_golden_tokens_then_greedy() {
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = golden_tokens();
+    let gpu = wgpu_backend();
+    let n = compare(&model, gpu.as_ref(), &tokens, 300usize.saturating_sub(tokens.len()), 512);
+    assert!(n >= 300, "{n} steps");
+}
+
+/// The 32-lanes-per-row matvecs (what a GPU adapter runs) give the same bits as well: the default
+/// on lavapipe is one invocation per row, so this forces the other shape, on fewer tokens.
+#[test]
+fn wgpu_32_lane_rows_equal_canonical_cpu_on_the_golden_tokens() {
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = golden_tokens();
+    let gpu = wgpu_tuned(Tuning { rows_per_invocation: Some(false), ..Tuning::default() });
+    compare(&model, &gpu, &tokens[..40], 0, 256);
+}
+
+#[test]
+fn wgpu_equals_canonical_cpu_over_200_small_tokens() {
+    let model = preset_model(&Preset::small());
+    let gpu = wgpu_backend();
+    assert_eq!(compare(&model, gpu.as_ref(), &[1, 7, 300, 42], 196, 256), 200);
+}
+
+/// Weights larger than a storage binding are split into row and expert ranges: with a 64 KiB
+/// limit every matrix of the tiny model is split (the 512-row Q8_0 output head into 4, the
+/// experts into 2-expert ranges), and the results keep every bit, in both matvec shapes.
+#[test]
+fn weights_split_over_small_bindings_give_the_same_bits() {
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = golden_tokens();
+    for rows in [true, false] {
+        let tuning = Tuning { max_binding: Some(64 << 10), rows_per_invocation: Some(rows), ..Tuning::default() };
+        let gpu = wgpu_tuned(tuning);
+        let mut s = Session::new(model.clone(), &gpu, 64).unwrap();
+        assert!(s.executable().nodes_per_token().unwrap() > 400, "the split weights add dispatches");
+        drop(s);
+        compare(&model, &gpu, &tokens[..24], 0, 64);
+    }
+}
+
+#[test]
+fn wgpu_refuses_positions_and_tokens_out_of_range() {
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let gpu = wgpu_backend();
+    let mut s = Session::new(model.clone(), gpu.as_ref(), 16).unwrap();
+    let exe = s.executable();
+    let e = exe.step(&StepParams::new(1, 16)).unwrap_err().to_string();
+    assert!(e.contains("position 16") && e.contains("16 positions"), "{e}");
+    let e = exe.step(&StepParams::new(model.config.n_vocab as u32, 0)).unwrap_err().to_string();
+    assert!(e.contains("vocabulary"), "{e}");
+    exe.step(&StepParams::new(5, 0)).unwrap();
+    let mut got = Vec::new();
+    exe.read_logits(&mut got).unwrap();
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let mut c = Session::new(model, &cpu, 16).unwrap();
+    assert!(c.eval(5).unwrap().iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+#[test]
+fn an_adapter_that_is_not_there_is_a_clear_error() {
+    let e = WgpuBackend::new(Some("no-such-adapter-xyz"), Tuning::default()).err().expect("no such adapter");
+    assert!(e.to_string().contains("no-such-adapter-xyz") && e.to_string().contains("adapters found"), "{e}");
+}
