@@ -6,7 +6,7 @@
 //!
 //! - **`ds4`** (CPU only): ds4's own CPU order and the C library's `expf` / `log1pf`, f64 sums of
 //!   squares in RMS norms and f64 accumulation of F32 matvecs. Bit-identical to ds4's logits
-//!   (`../shared/golden/tiny-a`). It ties the engine to an outside oracle.
+//!   (`tests/data/golden/tiny-a`). It ties the engine to an outside oracle.
 //! - **`canonical`** (every backend; the only one the GPU backends implement): the order below,
 //!   which fast GPU kernels follow naturally, reproduced exactly by the CPU. Results do not depend
 //!   on the thread count, the launch shape, split-K or the chunk size of a prefill.
