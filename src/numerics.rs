@@ -294,27 +294,31 @@ pub fn pow2_ceil(t: f32) -> f32 {
     }
 }
 
+/// The profile's float constants by the names the GPU shaders and kernels use: one list for
+/// both generated headers (`cuda_constants` here, the wgpu backend's `wgsl_constants`).
+pub fn float_constants() -> Vec<(String, f32)> {
+    let mut v: Vec<(String, f32)> = vec![
+        ("DS4_LN2_HI".into(), LN2_HI),
+        ("DS4_LN2_LO".into(), LN2_LO),
+        ("DS4_LOG2_E".into(), LOG2_E),
+        ("DS4_EXP_MAX".into(), EXP_MAX),
+        ("DS4_EXP_MIN".into(), EXP_MIN),
+    ];
+    v.extend(EXP_POLY.iter().enumerate().map(|(i, &c)| (format!("DS4_EXP_C{}", i + 2), c)));
+    v.extend(LN_POLY.iter().enumerate().map(|(i, &c)| (format!("DS4_LN_P{}", i + 1), c)));
+    v.push(("DS4_LN_THIRD".into(), LN_THIRD));
+    v.push(("DS4_SQRT2".into(), std::f32::consts::SQRT_2));
+    v.push(("DS4_HADAMARD_SCALE".into(), std::f32::consts::FRAC_1_SQRT_2 / 8.0));
+    v
+}
+
 /// The constants the CUDA kernels use, as `#define`s with exact bit patterns, so that the kernel
 /// source and this module cannot drift apart.
 pub fn cuda_constants() -> String {
     let mut s = String::from("// Generated from src/numerics.rs: the canonical profile's constants.\n");
-    let mut def = |name: &str, v: f32| {
+    for (name, v) in float_constants() {
         s += &format!("#define {name} __int_as_float(0x{:08x}) /* {v:e} */\n", v.to_bits());
-    };
-    def("DS4_LN2_HI", LN2_HI);
-    def("DS4_LN2_LO", LN2_LO);
-    def("DS4_LOG2_E", LOG2_E);
-    def("DS4_EXP_MAX", EXP_MAX);
-    def("DS4_EXP_MIN", EXP_MIN);
-    for (i, &c) in EXP_POLY.iter().enumerate() {
-        def(&format!("DS4_EXP_C{}", i + 2), c);
     }
-    for (i, &c) in LN_POLY.iter().enumerate() {
-        def(&format!("DS4_LN_P{}", i + 1), c);
-    }
-    def("DS4_LN_THIRD", LN_THIRD);
-    def("DS4_SQRT2", std::f32::consts::SQRT_2);
-    def("DS4_HADAMARD_SCALE", std::f32::consts::FRAC_1_SQRT_2 / 8.0);
     s += &format!(
         "#define DS4_CHUNK {CHUNK}\n#define DS4_BLOCK_CHUNK {BLOCK_CHUNK}\n#define DS4_ATTN_ROW_CHUNK {ATTN_ROW_CHUNK}\n"
     );

@@ -59,24 +59,11 @@ pub const SHADER_FILES: [&str; 9] =
 /// The canonical profile's constants as WGSL `f32` literals that parse back to the same bits
 /// (Rust's shortest round-trip form), so the shaders and `crate::numerics` cannot drift apart.
 pub fn wgsl_constants() -> String {
-    use crate::numerics::*;
     let mut s = String::from("// Generated from src/numerics.rs: the canonical profile's constants.\n");
-    let mut def = |name: &str, v: f32| s += &format!("const {name}: f32 = {v:?}f;\n");
-    def("DS4_LN2_HI", LN2_HI);
-    def("DS4_LN2_LO", LN2_LO);
-    def("DS4_LOG2_E", LOG2_E);
-    def("DS4_EXP_MAX", EXP_MAX);
-    def("DS4_EXP_MIN", EXP_MIN);
-    for (i, &c) in EXP_POLY.iter().enumerate() {
-        def(&format!("DS4_EXP_C{}", i + 2), c);
+    for (name, v) in crate::numerics::float_constants() {
+        s += &format!("const {name}: f32 = {v:?}f;\n");
     }
-    for (i, &c) in LN_POLY.iter().enumerate() {
-        def(&format!("DS4_LN_P{}", i + 1), c);
-    }
-    def("DS4_LN_THIRD", LN_THIRD);
-    def("DS4_SQRT2", std::f32::consts::SQRT_2);
-    def("DS4_HADAMARD_SCALE", std::f32::consts::FRAC_1_SQRT_2 / 8.0);
-    s += &format!("const DS4_ATTN_ROW_CHUNK: u32 = {ATTN_ROW_CHUNK}u;\n");
+    s += &format!("const DS4_ATTN_ROW_CHUNK: u32 = {}u;\n", crate::numerics::ATTN_ROW_CHUNK);
     s
 }
 

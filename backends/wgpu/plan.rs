@@ -428,20 +428,13 @@ impl Builder<'_> {
                 let binds = vec![(5, Res::Scratch(Scratch::Q8KX)), (10, Res::Buf(x))];
                 self.push("quantize_q8_k", nbx as u32, vec![nbx as u32], binds);
                 let q8k = [(5, Res::Scratch(Scratch::Q8KX)), (6, Res::Scratch(Scratch::Q8KMid)), (7, Res::Grid)];
+                // The arguments of the gate/up and down dispatches over experts e0 .. e0 + n.
+                let moe_args = |e0: u32, n: u32| {
+                    let (in_dim, ff, out_dim, n_used) = (in_dim as u32, ff as u32, out_dim as u32, n_used as u32);
+                    vec![g_ty, u_ty, d_ty, in_dim, ff, out_dim, n_used, e0, e0 + n, clamp.to_bits(), nb_mid as u32]
+                };
                 for (k, &(e0, n)) in ranges.iter().enumerate() {
-                    let args = vec![
-                        g_ty,
-                        u_ty,
-                        d_ty,
-                        in_dim as u32,
-                        ff as u32,
-                        out_dim as u32,
-                        n_used as u32,
-                        e0,
-                        e0 + n,
-                        clamp.to_bits(),
-                        nb_mid as u32,
-                    ];
+                    let args = moe_args(e0, n);
                     let k = k as u32;
                     let mut binds = vec![
                         (2, Res::Weight(gate, k)),
@@ -460,19 +453,7 @@ impl Builder<'_> {
                 let binds = vec![(5, Res::Scratch(Scratch::Q8KMid)), (10, Res::Scratch(Scratch::Mid))];
                 self.push("quantize_q8_k", nb_mid as u32, vec![nb_mid as u32], binds);
                 for (k, &(e0, n)) in ranges.iter().enumerate() {
-                    let args = vec![
-                        g_ty,
-                        u_ty,
-                        d_ty,
-                        in_dim as u32,
-                        ff as u32,
-                        out_dim as u32,
-                        n_used as u32,
-                        e0,
-                        e0 + n,
-                        clamp.to_bits(),
-                        nb_mid as u32,
-                    ];
+                    let args = moe_args(e0, n);
                     let k = k as u32;
                     let mut binds = vec![
                         (2, Res::Weight(gate, k)),
