@@ -56,4 +56,19 @@ extern "C" __global__ void attention(DS4_ARGS, const AttentionArgs a) {
         a.out[(u64)h * head_dim + i] = acc * inv;
     }
 #undef ROW_PTR
+    // Fused (plan.rs): the inverse RoPE of the head's tail, then the head's Q8_0 quantization for
+    // the output projection, as rope_tail and quantize_q8_0 would compute them.
+    float* oh = a.out + (u64)h * head_dim;
+    if (a.rope) {
+        __syncthreads();
+        const u32 pairs = a.n_rot / 2;
+        rope_tail_block(oh + (head_dim - a.n_rot), a.rope + (u64)P->pos * pairs * 2, pairs, true);
+    }
+    if (a.xq) {
+        __syncthreads();
+        for (u32 b = warp; b < head_dim / 32; b += nw) {
+            const u32 blk = h * (head_dim / 32) + b;
+            quantize_q8_0_warp(oh[b * 32 + lane], a.xq, a.xd, blk, lane);
+        }
+    }
 }

@@ -1,8 +1,12 @@
 // SwiGlu, Add, and the cache fill.
+// With `xq`, one warp per 32 outputs also writes their Q8_0 quantization (n a multiple of 32).
 extern "C" __global__ void swiglu(DS4_ARGS, const SwiGluArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < a.n) a.out[i] = swiglu_clamped(a.gate[i], a.up[i], a.clamp);
+    if (i >= a.n) return;
+    const float o = swiglu_clamped(a.gate[i], a.up[i], a.clamp);
+    a.out[i] = o;
+    if (a.xq) quantize_q8_0_warp(o, a.xq, a.xd, i / 32, threadIdx.x & 31);
 }
 
 extern "C" __global__ void add(DS4_ARGS, const AddArgs a) {

@@ -59,6 +59,7 @@ extern "C" __global__ void hc_weighted_sum(DS4_ARGS, const HcWeightedSumArgs a) 
 }
 
 // out[dst][d] = post[dst]*block[d] + sum_src comb[dst + src*n_hc] * residual[src][d]
+// With `block_b` (an Add fused in front), block = block[d] + block_b[d], also stored to `sum_out`.
 extern "C" __global__ void hc_post(DS4_ARGS, const HcPostArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -66,7 +67,12 @@ extern "C" __global__ void hc_post(DS4_ARGS, const HcPostArgs a) {
     const u32 dst = i / a.n, d = i % a.n;
     const float* post = a.split + a.n_hc;
     const float* comb = a.split + 2 * a.n_hc;
-    float acc = a.block[d] * post[dst];
+    float blk = a.block[d];
+    if (a.block_b) {
+        blk = blk + a.block_b[d];
+        if (dst == 0) a.sum_out[d] = blk;
+    }
+    float acc = blk * post[dst];
     for (u32 src = 0; src < a.n_hc; src++) acc += comb[dst + src * a.n_hc] * a.residual[src * a.n + d];
     a.out[i] = acc;
 }

@@ -24,19 +24,26 @@ __device__ float e4m3_round(float x) {
     return sign * e4m3_value(best);
 }
 
-// One block of 64 threads per 64 non-RoPE dims; power-of-two scale from the block's amax.
+// One 64-dim group by one warp (lane i holds dims i and 32 + i): a power-of-two scale from the
+// group's amax (a maximum, so the same whatever the grouping of the comparisons).
+__device__ __forceinline__ void fp8_group_warp(float* x, u32 lane) {
+    const float v0 = x[lane], v1 = x[32 + lane];
+    const float amax = fmaxf(warp_max(fmaxf(fabsf(v0), fabsf(v1))), 1.0e-4f);
+    const float scale = ds4_pow2_ceil(amax / 448.0f);
+    x[lane] = e4m3_round(fminf(fmaxf(v0 / scale, -448.0f), 448.0f)) * scale;
+    x[32 + lane] = e4m3_round(fminf(fmaxf(v1 / scale, -448.0f), 448.0f)) * scale;
+}
+
+// The first n dims (a multiple of 64) of x, a warp per group, by the threads of a block.
+__device__ __forceinline__ void fp8_round_trip_block(float* x, u32 n) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (u32 g = warp; g < n / 64; g += nw) fp8_group_warp(x + g * 64, lane);
+}
+
+// One warp per 64 non-RoPE dims.
 extern "C" __global__ void fp8_round_trip(DS4_ARGS, const Fp8RoundTripArgs a) {
     DS4_GUARD;
-    float* x = a.x;
-    __shared__ float wmax[2];
-    const u32 i = blockIdx.x * 64 + threadIdx.x;
-    const float v = x[i];
-    const float m = warp_max(fabsf(v));
-    if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = m;
-    __syncthreads();
-    const float amax = fmaxf(fmaxf(wmax[0], wmax[1]), 1.0e-4f);
-    const float scale = ds4_pow2_ceil(amax / 448.0f);
-    x[i] = e4m3_round(fminf(fmaxf(v / scale, -448.0f), 448.0f)) * scale;
+    fp8_group_warp(a.x + blockIdx.x * 64, threadIdx.x & 31);
 }
 
 __device__ float e2m1_round(float x) {
@@ -55,28 +62,37 @@ __device__ float e2m1_round(float x) {
     return sign * vals[best];
 }
 
-// One block of 128 threads per row: Hadamard-128, then FP4 E2M1 per 32 (one warp each).
-extern "C" __global__ void indexer_qat(DS4_ARGS, const IndexerQatArgs a) {
-    DS4_GUARD;
-    float* x = a.x;
+// One row of 128: Hadamard-128, then FP4 E2M1 per 32 (one warp each), by threads 0..127 of a
+// block (every thread of the block must call it).
+__device__ void indexer_qat_block(float* row) {
     __shared__ float s[128];
-    float* row = x + (u64)blockIdx.x * 128;
     const u32 t = threadIdx.x;
-    s[t] = row[t];
+    const bool on = t < 128;
+    if (on) s[t] = row[t];
     __syncthreads();
     for (u32 stride = 1; stride < 128; stride <<= 1) {
         float v = 0.0f;
-        const u32 base = t & ~(2 * stride - 1), off = t & (2 * stride - 1);
-        if (off < stride) v = s[base + off] + s[base + off + stride];
-        else v = s[base + off - stride] - s[base + off];
+        if (on) {
+            const u32 base = t & ~(2 * stride - 1), off = t & (2 * stride - 1);
+            if (off < stride) v = s[base + off] + s[base + off + stride];
+            else v = s[base + off - stride] - s[base + off];
+        }
         __syncthreads();
-        s[t] = v;
+        if (on) s[t] = v;
         __syncthreads();
     }
-    const float v = s[t] * DS4_HADAMARD_SCALE;
-    const float amax = fmaxf(warp_max(fabsf(v)), 7.052966104933725e-38f);
-    const float scale = ds4_pow2_ceil(amax / 6.0f);
-    row[t] = e2m1_round(fminf(fmaxf(v / scale, -6.0f), 6.0f)) * scale;
+    if (on) {
+        const float v = s[t] * DS4_HADAMARD_SCALE;
+        const float amax = fmaxf(warp_max(fabsf(v)), 7.052966104933725e-38f);
+        const float scale = ds4_pow2_ceil(amax / 6.0f);
+        row[t] = e2m1_round(fminf(fmaxf(v / scale, -6.0f), 6.0f)) * scale;
+    }
+}
+
+// One block of 128 threads per row.
+extern "C" __global__ void indexer_qat(DS4_ARGS, const IndexerQatArgs a) {
+    DS4_GUARD;
+    indexer_qat_block(a.x + (u64)blockIdx.x * 128);
 }
 
 // The token's KV row, f16-rounded, into ring row pos % raw_cap.
@@ -108,16 +124,9 @@ extern "C" __global__ void compressor_store(DS4_ARGS, const CompressorStoreArgs 
     a.state_score[(u64)row * width + j] = a.score[j] + wload(a.ape, a.ape_f16, (u64)pos_mod * width + j);
 }
 
-// Softmax pool per dim over the window; ratio 4 mixes rows 0..4 (first half) with rows 4..8
+// Softmax pool of dim j over the window; ratio 4 mixes rows 0..4 (first half) with rows 4..8
 // (second half), interleaved in the sums as ds4 does.
-extern "C" __global__ void compressor_pool(DS4_ARGS, const CompressorPoolArgs a) {
-    DS4_GUARD;
-    const float* kv = a.kv;
-    const float* score = a.score;
-    float* out = a.out;
-    const u32 head_dim = a.head_dim, ratio = a.ratio;
-    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= head_dim) return;
+__device__ float compressor_pool_value(const float* kv, const float* score, u32 head_dim, u32 ratio, u32 j) {
     const u32 width = ratio == 4 ? 2 * head_dim : head_dim;
     float mx = -1.0e30f;
     if (ratio == 4) {
@@ -128,10 +137,7 @@ extern "C" __global__ void compressor_pool(DS4_ARGS, const CompressorPoolArgs a)
     } else {
         for (u32 r = 0; r < ratio; r++) mx = fmaxf(mx, score[(u64)r * width + j]);
     }
-    if (mx <= -1.0e30f * 0.5f) {
-        out[j] = 0.0f;
-        return;
-    }
+    if (mx <= -1.0e30f * 0.5f) return 0.0f;
     float denom = 0.0f, sum = 0.0f;
     if (ratio == 4) {
         for (u32 r = 0; r < 4; r++) {
@@ -149,7 +155,13 @@ extern "C" __global__ void compressor_pool(DS4_ARGS, const CompressorPoolArgs a)
             sum += w * kv[b];
         }
     }
-    out[j] = denom > 0.0f ? sum / denom : 0.0f;
+    return denom > 0.0f ? sum / denom : 0.0f;
+}
+
+extern "C" __global__ void compressor_pool(DS4_ARGS, const CompressorPoolArgs a) {
+    DS4_GUARD;
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < a.head_dim) a.out[j] = compressor_pool_value(a.kv, a.score, a.head_dim, a.ratio, j);
 }
 
 // Ratio 4: rows 4..8 become rows 0..4, for both kv and score.

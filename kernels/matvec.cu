@@ -4,20 +4,13 @@
 // Rows of group g read x[g*in_dim ..]. One warp per row; narrow matrices split the row's chunks
 // over warps (split-K); the last block adds the chunk sums in order, which gives the same bits.
 
-// One warp per 32-block: d = amax/127, q = round-half-even(x * (1/d)), as ds4.
+// One warp per 32-block (kernels/norm.cu: quantize_q8_0_warp).
 extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
     DS4_GUARD;
     const u32 lane = threadIdx.x & 31;
     const u32 b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b * 32 >= a.n) return;
-    const float v = a.x[b * 32 + lane];
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int q = (int)rintf(v * id);
-    q = max(-128, min(127, q));
-    a.xq[b * 32 + lane] = (i8)q;
-    if (lane == 0) a.xd[b] = d;
+    quantize_q8_0_warp(a.x[b * 32 + lane], a.xq, a.xd, b, lane);
 }
 
 // Q8_0 weights are in the split layout (backends/cuda/args.rs: BLOCK_SPLITS): all quants (32
@@ -40,14 +33,20 @@ __device__ __forceinline__ float q8_0_term(int4 w0, int4 w1, u16 ws, const int4*
 // Chunks whose weights a lane loads before waiting for the previous kernel.
 #define Q8_EARLY_CHUNKS 4
 
+// With `rows2` > 0 a second matrix of the same width (`w2`, `out2`) follows the first in the
+// same launch, reading the same input (both ungrouped): two ops, one launch.
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
     DS4_GUARD_EARLY;
     const u32 lane = threadIdx.x & 31;
-    const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const bool live = r < a.rows;
+    const u32 rr = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool second = rr >= a.rows;
+    const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
+    const u8* w = second ? a.w2 : a.w;
+    float* out = second ? a.out2 : a.out;
+    const bool live = r < rows;
     const u32 nb = a.in_dim / 32;
-    const int4* wq = (const int4*)(a.w + (u64)r * nb * 32);
-    const u16* ws = (const u16*)(a.w + (u64)a.rows * nb * 32) + (u64)r * nb;
+    const int4* wq = (const int4*)(w + (u64)r * nb * 32);
+    const u16* ws = (const u16*)(w + (u64)rows * nb * 32) + (u64)r * nb;
     int4 w0[Q8_EARLY_CHUNKS], w1[Q8_EARLY_CHUNKS];
     u16 s[Q8_EARLY_CHUNKS];
 #pragma unroll
@@ -61,7 +60,7 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
     }
     ds4_wait_predecessor();
     if (!live) return;
-    const u32 g = r / a.rows_per_group;
+    const u32 g = second ? 0 : r / a.rows_per_group;
     const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
     const float* dx = a.xd + (u64)g * nb;
     float total = 0.0f;
@@ -80,7 +79,7 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
         if (b < nb) acc += q8_0_term(__ldg(wq + 2 * b), __ldg(wq + 2 * b + 1), __ldg(ws + b), x4, dx, b);
         total += warp_sum(acc);
     }
-    if (lane == 0) a.out[r] = total;
+    if (lane == 0) out[r] = total;
 }
 
 // The 16 halves a lane reads of one 512-term chunk of an F16 row (8 consecutive per lane step);
@@ -151,20 +150,24 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
 
 // Split-K: one warp per (row, chunk); partial[r * n_chunks + c] is the chunk's sum. The last
 // block to finish (a ticket counter, reset by that block for the next launch) adds each row's
-// chunk sums in order from +0: the same bits as one warp doing the whole row.
+// chunk sums in order from +0: the same bits as one warp doing the whole row. With `rows2` > 0 a
+// second matrix of the same width (`w2`, `out2`, ungrouped) follows as rows `rows..`.
 extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
     const u32 lane = threadIdx.x & 31;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const bool live = wid < a.rows * a.n_chunks;
-    const u32 r = live ? wid / a.n_chunks : 0, c = live ? (wid % a.n_chunks) * DS4_CHUNK : 0;
-    const u16* row = a.w + (u64)r * a.in_dim;
+    const u32 all_rows = a.rows + a.rows2;
+    const bool live = wid < all_rows * a.n_chunks;
+    const u32 rr = live ? wid / a.n_chunks : 0, c = live ? (wid % a.n_chunks) * DS4_CHUNK : 0;
+    const bool second = rr >= a.rows;
+    const u32 r = second ? rr - a.rows : rr;
+    const u16* row = (second ? a.w2 : a.w) + (u64)r * a.in_dim;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(row + c, a.in_dim - c, lane);
     ds4_wait_predecessor();
     if (live) {
-        const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
+        const float* xg = a.x + (second ? 0 : (u64)(r / a.rows_per_group) * a.in_dim);
         const float s = warp_sum(chunk_dot_f16(chunk, xg + c, a.in_dim - c, lane));
         if (lane == 0) a.partial[wid] = s;
     }
@@ -174,10 +177,11 @@ extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs 
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (u32 r = threadIdx.x; r < a.rows; r += blockDim.x) {
+    for (u32 r = threadIdx.x; r < all_rows; r += blockDim.x) {
         float total = 0.0f;
         for (u32 c = 0; c < a.n_chunks; c++) total += __ldcg(a.partial + (u64)r * a.n_chunks + c);
-        a.out[r] = total;
+        if (r < a.rows) a.out[r] = total;
+        else a.out2[r - a.rows] = total;
     }
     if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
 }

@@ -62,7 +62,7 @@ mod imp {
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
 
     /// Kernel sources, compiled together as one NVRTC program.
-    const SOURCES: [&str; 11] = [
+    const SOURCES: [&str; 12] = [
         include_str!("../../kernels/common.cuh"),
         include_str!("../../kernels/norm.cu"),
         include_str!("../../kernels/matvec.cu"),
@@ -72,6 +72,7 @@ mod imp {
         include_str!("../../kernels/indexer.cu"),
         include_str!("../../kernels/attention.cu"),
         include_str!("../../kernels/moe.cu"),
+        include_str!("../../kernels/fused.cu"),
         include_str!("../../kernels/elementwise.cu"),
         include_str!("../../kernels/synth.cu"),
     ];
@@ -300,7 +301,8 @@ mod imp {
 
     /// A launch with device addresses resolved: the kernel's argument struct as 8-byte words.
     struct Resolved {
-        op: usize,
+        /// The recorded ops the launch computes (several when ops fuse).
+        ops: Vec<usize>,
         kernel: &'static str,
         func: CudaFunction,
         grid: u32,
@@ -327,7 +329,10 @@ mod imp {
         params: CudaSlice<u32>,
         /// Byte offset of each program buffer in the arena.
         offsets: Vec<usize>,
+        /// The token's launches, runs of ops fused (what a step runs and the graph captures).
         launches: Vec<Resolved>,
+        /// The same program one op per launch, for running a range of ops that cuts a fused run.
+        single: Vec<Resolved>,
         graph: GraphState,
         fill: CudaFunction,
         /// Fallbacks that happened (a failed capture or graph launch), for the caller to report.
@@ -352,7 +357,8 @@ mod imp {
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().map_err(drv("cannot create a stream"))?;
 
-            let plan = plan::plan(&program).map_err(err)?;
+            let plan = plan::plan(&program, true).map_err(err)?;
+            let single_plan = plan::plan(&program, false).map_err(err)?;
             let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
             let arch = format!("sm_{major}{minor}");
             let module = match cache::load(&arch).map(|ptx| ctx.load_module(ptx)) {
@@ -374,7 +380,11 @@ mod imp {
             }
             let mut scratch_off = Vec::new();
             for kind in SCRATCH_KINDS {
-                let bytes = plan.scratch.iter().find(|(k, _)| *k == kind).map_or(0, |&(_, b)| b);
+                let bytes = [&plan, &single_plan]
+                    .iter()
+                    .flat_map(|p| p.scratch.iter().filter(|(k, _)| *k == kind).map(|&(_, b)| b))
+                    .max()
+                    .unwrap_or(0);
                 scratch_off.push((kind, size));
                 size += bytes.max(4).div_ceil(ALIGN) * ALIGN;
             }
@@ -421,7 +431,9 @@ mod imp {
 
             // RoPE tables: (cos, sin) per position and pair, computed as the CPU reference does.
             let mut rope_ptrs = Vec::with_capacity(plan.ropes.len());
-            for (rope, n_rot) in &plan.ropes {
+            let mut ropes = plan.ropes.clone();
+            ropes.extend(single_plan.ropes.iter().filter(|r| !plan.ropes.contains(r)));
+            for (rope, n_rot) in &ropes {
                 let table = crate::backends::gpu_tables::rope_table(rope, *n_rot, program.positions());
                 let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
                 let d = stream.clone_htod(&bytes).map_err(drv("cannot upload a RoPE table"))?;
@@ -434,41 +446,50 @@ mod imp {
             let params = stream.alloc_zeros::<u32>(4).map_err(drv("cannot allocate the step parameters"))?;
 
             let mut funcs: Vec<(&'static str, CudaFunction)> = Vec::new();
-            let mut launches = Vec::with_capacity(plan.launches.len());
-            for l in &plan.launches {
-                let func = match funcs.iter().find(|(n, _)| *n == l.kernel) {
-                    Some((_, f)) => f.clone(),
-                    None => {
-                        let f = module
-                            .load_function(l.kernel)
-                            .map_err(drv(&format!("kernel '{}' is missing", l.kernel)))?;
-                        funcs.push((l.kernel, f.clone()));
-                        f
-                    }
-                };
-                let mut a = l.args.clone();
-                for &word in &l.ptr_words {
-                    let r =
-                        Ptr(a[word]).reference().ok_or_else(|| err(format!("{}: bad pointer reference", l.kernel)))?;
-                    a[word] = match r {
-                        PtrRef::Null => 0,
-                        PtrRef::Buf(b) => base + offsets[b as usize] as u64,
-                        PtrRef::Weight(w) => weight_ptrs[w as usize],
-                        PtrRef::Scratch(s) => base + scratch_off[s as usize].1 as u64,
-                        PtrRef::Grid => grid_ptr,
-                        PtrRef::Rope(i) => rope_ptrs[i as usize],
+            let mut resolve = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
+                let mut launches = Vec::with_capacity(p.launches.len());
+                for l in &p.launches {
+                    let func = match funcs.iter().find(|(n, _)| *n == l.kernel) {
+                        Some((_, f)) => f.clone(),
+                        None => {
+                            let f = module
+                                .load_function(l.kernel)
+                                .map_err(drv(&format!("kernel '{}' is missing", l.kernel)))?;
+                            funcs.push((l.kernel, f.clone()));
+                            f
+                        }
                     };
+                    let mut a = l.args.clone();
+                    for &word in &l.ptr_words {
+                        let r = Ptr(a[word])
+                            .reference()
+                            .ok_or_else(|| err(format!("{}: bad pointer reference", l.kernel)))?;
+                        a[word] = match r {
+                            PtrRef::Null => 0,
+                            PtrRef::Buf(b) => base + offsets[b as usize] as u64,
+                            PtrRef::Weight(w) => weight_ptrs[w as usize],
+                            PtrRef::Scratch(s) => base + scratch_off[s as usize].1 as u64,
+                            PtrRef::Grid => grid_ptr,
+                            PtrRef::Rope(i) => {
+                                let at = ropes.iter().position(|r| *r == p.ropes[i as usize]).unwrap_or(0);
+                                rope_ptrs[at]
+                            }
+                        };
+                    }
+                    launches.push(Resolved {
+                        ops: l.ops.clone(),
+                        kernel: l.kernel,
+                        func,
+                        grid: l.grid,
+                        block: l.block,
+                        cond: l.cond,
+                        args: a,
+                    });
                 }
-                launches.push(Resolved {
-                    op: l.op,
-                    kernel: l.kernel,
-                    func,
-                    grid: l.grid,
-                    block: l.block,
-                    cond: l.cond,
-                    args: a,
-                });
-            }
+                Ok(launches)
+            };
+            let launches = resolve(&plan)?;
+            let single = resolve(&single_plan)?;
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
 
             let mut exe = CudaExecutable {
@@ -479,6 +500,7 @@ mod imp {
                 params,
                 offsets,
                 launches,
+                single,
                 graph: if graphs { GraphState::WarmUp } else { GraphState::Off },
                 fill,
                 warnings: Vec::new(),
@@ -498,18 +520,25 @@ mod imp {
             self.launch_ops(0..usize::MAX)
         }
 
-        /// Launches the kernels of the recorded ops in `ops`.
+        /// Launches the kernels of the recorded ops in `ops`: the fused launches when none of them
+        /// computes ops both inside and outside the range, else one launch per op.
         fn launch_ops(&self, ops: std::ops::Range<usize>) -> Result<(), result::DriverError> {
-            for i in 0..self.launches.len() {
-                if ops.contains(&self.launches[i].op) {
-                    self.launch_one(i)?;
-                }
+            let cut = self.launches.iter().any(|l| {
+                let inside = l.ops.iter().filter(|k| ops.contains(k)).count();
+                inside > 0 && inside < l.ops.len()
+            });
+            let list = if cut { &self.single } else { &self.launches };
+            for l in list.iter().filter(|l| ops.contains(&l.ops[0])) {
+                self.launch_resolved(l)?;
             }
             Ok(())
         }
 
         fn launch_one(&self, i: usize) -> Result<(), result::DriverError> {
-            let l = &self.launches[i];
+            self.launch_resolved(&self.launches[i])
+        }
+
+        fn launch_resolved(&self, l: &Resolved) -> Result<(), result::DriverError> {
             self.launch_raw(&l.func, l.grid, l.block, l.cond, &l.args)
         }
 
@@ -617,9 +646,18 @@ mod imp {
             self.stream.synchronize().map_err(drv("token failed"))?;
             let mut times = Vec::with_capacity(marks.len());
             let mut prev = &first;
+            let steps = self.program.steps();
             for (l, e) in self.launches.iter().zip(&marks) {
                 let ms = prev.elapsed_ms(e).map_err(drv("cannot read an event"))?;
-                times.push((l.kernel.to_string(), ms as f64 * 1e3));
+                // A fused launch is named with the ops it computes.
+                let label = match l.ops.len() {
+                    1 => l.kernel.to_string(),
+                    _ => {
+                        let names: Vec<&str> = l.ops.iter().map(|&k| steps[k].op.name()).collect();
+                        format!("{} [{}]", l.kernel, names.join(" + "))
+                    }
+                };
+                times.push((label, ms as f64 * 1e3));
                 prev = e;
             }
             Ok(crate::backend::summarize_profile(times))

@@ -44,8 +44,8 @@ impl Scratch {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
-    /// Index of the recorded op this launch belongs to.
-    pub op: usize,
+    /// The recorded ops this launch computes, ascending (more than one when ops fuse).
+    pub ops: Vec<usize>,
     pub kernel: &'static str,
     pub grid: u32,
     pub block: u32,
@@ -89,6 +89,10 @@ fn blocks(n: usize, per: usize) -> u32 {
 
 struct Builder<'a> {
     program: &'a Program,
+    /// Whether runs of ops may share a launch (the graph's plan); off for op-by-op execution.
+    fuse: bool,
+    /// Ops already computed by an earlier op's launch.
+    done: Vec<bool>,
     launches: Vec<Launch>,
     need: Vec<(Scratch, usize)>,
     cond: u64,
@@ -99,6 +103,8 @@ struct Builder<'a> {
     q8_of: Option<(Buf, u64, usize)>,
     /// Split-K launches so far (each takes its own ticket).
     tickets: u32,
+    /// The ops the current op's launches compute (itself and any it absorbed).
+    group: Vec<usize>,
 }
 
 fn b(x: Buf) -> Ptr {
@@ -108,10 +114,18 @@ fn w(x: WeightId) -> Ptr {
     Ptr::weight(x)
 }
 
-impl Builder<'_> {
+impl<'a> Builder<'a> {
     fn launch<A: KernelArgs>(&mut self, grid: u32, block: u32, a: A) {
         let (args, ptr_words) = args::encode(&a);
-        self.launches.push(Launch { op: self.op, kernel: A::KERNEL, grid, block, cond: self.cond, args, ptr_words });
+        self.launches.push(Launch {
+            ops: vec![self.op],
+            kernel: A::KERNEL,
+            grid,
+            block,
+            cond: self.cond,
+            args,
+            ptr_words,
+        });
     }
     fn need(&mut self, s: Scratch, bytes: usize) {
         match self.need.iter_mut().find(|(k, _)| *k == s) {
@@ -143,10 +157,11 @@ impl Builder<'_> {
         }
     }
 
-    /// Whether the next op that quantizes to the Q8_0 scratch is a Q8_0 matvec of `buf`, with
-    /// nothing writing `buf` before it.
-    fn next_q8_input_is(&self, buf: Buf) -> bool {
-        for st in &self.program.steps()[self.op + 1..] {
+    /// Whether the next op after op `after` that quantizes to the Q8_0 scratch is a Q8_0 matvec
+    /// of `buf`, with nothing writing `buf` before it.
+    fn next_q8_input_after(&self, buf: Buf, after: usize) -> bool {
+        let steps = self.program.steps();
+        for st in (after + 1..steps.len()).filter(|&k| !self.done[k]).map(|k| &steps[k]) {
             if let Op::MatVec { w, x, .. } | Op::MatVecGrouped { w, x, .. } = st.op {
                 if self.program.weight(w).ty == GgmlType::Q8_0 {
                     return x == buf;
@@ -157,6 +172,51 @@ impl Builder<'_> {
             }
         }
         false
+    }
+    fn next_q8_input_is(&self, buf: Buf) -> bool {
+        self.next_q8_input_after(buf, self.op)
+    }
+
+    /// The next `n` ops after the current one that no earlier launch computed, if they share
+    /// the current op's predicate (or, with `cond`, that one).
+    fn next_ops(&self, n: usize, cond: Option<Option<Cond>>) -> Option<Vec<(usize, &'a Op)>> {
+        let steps = self.program.steps();
+        let want = cond.unwrap_or(steps[self.op].cond);
+        let out: Vec<(usize, &'a Op)> =
+            (self.op + 1..steps.len()).filter(|&k| !self.done[k]).take(n).map(|k| (k, &steps[k].op)).collect();
+        (out.len() == n && out.iter().all(|&(k, _)| steps[k].cond == want)).then_some(out)
+    }
+
+    /// Whether op `j` may run now, before the ops between: it shares the current op's predicate,
+    /// and none of them writes what it reads or reads or writes what it writes.
+    fn can_run_early(&self, j: usize) -> bool {
+        let steps = self.program.steps();
+        if self.done[j] || steps[j].cond != steps[self.op].cond {
+            return false;
+        }
+        let (r, w) = (steps[j].op.reads(), steps[j].op.writes());
+        steps[self.op..j].iter().all(|st| {
+            let (r2, w2) = (st.op.reads(), st.op.writes());
+            !w2.iter().any(|b| r.contains(b) || w.contains(b)) && !r2.iter().any(|b| w.contains(b))
+        })
+    }
+
+    /// A later ungrouped matvec of the same input, weight type and width that may run in the
+    /// current op's launch (two matrices, one launch). Looks a few ops ahead.
+    fn matvec_partner(&self, x: Buf, ty: GgmlType, in_dim: u64) -> Option<(usize, WeightId, Buf)> {
+        if !self.fuse {
+            return None;
+        }
+        let steps = self.program.steps();
+        for (j, st) in steps.iter().enumerate().take(self.op + 8).skip(self.op + 1) {
+            if let Op::MatVec { w: w2, x: x2, out: o2 } = st.op {
+                let t = self.program.weight(w2);
+                if x2 == x && t.ty == ty && t.dim(0) == in_dim && self.can_run_early(j) {
+                    return Some((j, w2, o2));
+                }
+            }
+        }
+        None
     }
 
     /// A dense matvec; Q8_0 weights first quantize the whole input per 32.
@@ -184,17 +244,29 @@ impl Builder<'_> {
                     self.launch(blocks(n / 32, 8), 256, a);
                     self.q8_of = Some((x, self.cond, self.op));
                 }
+                // A second matrix of the same input shares the launch (q_a and kv, shared gate and up).
+                let partner = if groups == 1 { self.matvec_partner(x, GgmlType::Q8_0, in_dim as u64) } else { None };
+                let (w2, out2, rows2) = match partner {
+                    Some((j, w2, o2)) => {
+                        self.done[j] = true;
+                        self.group.push(j);
+                        (w(w2), b(o2), self.program.weight(w2).dim(1) as u32)
+                    }
+                    None => (Ptr::NULL, Ptr::NULL, 0),
+                };
                 let a = MatVecQ80Args {
                     w: w(wt),
                     xq: Scratch::Q8Qs.ptr(),
                     xd: Scratch::Q8D.ptr(),
                     out: b(out),
+                    w2,
+                    out2,
                     in_dim: in_u,
                     rows: rows_u,
                     rows_per_group,
-                    _pad: 0,
+                    rows2,
                 };
-                self.launch(blocks(rows, 8), 256, a);
+                self.launch(blocks(rows + rows2 as usize, 8), 256, a);
             }
             GgmlType::F16 => {
                 if in_dim % 8 != 0 {
@@ -202,7 +274,21 @@ impl Builder<'_> {
                 }
                 let n_chunks = in_dim.div_ceil(numerics::CHUNK);
                 if rows < SPLIT_K_ROWS && n_chunks > 1 {
-                    self.need(Scratch::Partial, rows * n_chunks * 4);
+                    let partner = match groups {
+                        1 => self.matvec_partner(x, GgmlType::F16, in_dim as u64),
+                        _ => None,
+                    }
+                    .filter(|&(_, w2, _)| (self.program.weight(w2).dim(1) as usize) < SPLIT_K_ROWS);
+                    let (w2, out2, rows2) = match partner {
+                        Some((j, w2, o2)) => {
+                            self.done[j] = true;
+                            self.group.push(j);
+                            (w(w2), b(o2), self.program.weight(w2).dim(1) as u32)
+                        }
+                        None => (Ptr::NULL, Ptr::NULL, 0),
+                    };
+                    let all_rows = rows + rows2 as usize;
+                    self.need(Scratch::Partial, all_rows * n_chunks * 4);
                     self.tickets += 1;
                     self.need(Scratch::Tickets, self.tickets as usize * 4);
                     let a = MatVecF16SplitArgs {
@@ -211,14 +297,16 @@ impl Builder<'_> {
                         partial: Scratch::Partial.ptr(),
                         tickets: Scratch::Tickets.ptr(),
                         out: b(out),
+                        w2,
+                        out2,
                         in_dim: in_u,
                         rows: rows_u,
                         rows_per_group,
                         n_chunks: n_chunks as u32,
                         ticket: self.tickets - 1,
-                        _pad: 0,
+                        rows2,
                     };
-                    self.launch(blocks(rows * n_chunks, 8), 256, a);
+                    self.launch(blocks(all_rows * n_chunks, 8), 256, a);
                 } else {
                     let a = MatVecF16Args {
                         w: w(wt),
@@ -252,6 +340,196 @@ impl Builder<'_> {
         Ok(())
     }
 
+    /// The table index of a RoPE setting, added on first use.
+    fn rope_table(&mut self, rope: RopeParams, n_rot: u32) -> usize {
+        match self.ropes.iter().position(|r| *r == (rope, n_rot)) {
+            Some(i) => i,
+            None => {
+                self.ropes.push((rope, n_rot));
+                self.ropes.len() - 1
+            }
+        }
+    }
+
+    /// HcPost; with `block_b` a real buffer, `block + block_b` (an Add fused in) is the block,
+    /// also stored to `sum_out`.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post(&mut self, block: Buf, block_b: Buf, sum_out: Buf, residual: Buf, split: Buf, out: Buf, n_hc: u32) {
+        let n = self.len(block);
+        let (bb, so) = match block_b.0 {
+            u32::MAX => (Ptr::NULL, Ptr::NULL),
+            _ => (b(block_b), b(sum_out)),
+        };
+        let a = HcPostArgs {
+            block: b(block),
+            block_b: bb,
+            sum_out: so,
+            residual: b(residual),
+            split: b(split),
+            out: b(out),
+            n: n as u32,
+            n_hc,
+        };
+        self.launch(blocks(n * n_hc as usize, 256), 256, a);
+    }
+
+    /// Marks ops as computed by the current op's launches.
+    fn absorb(&mut self, ops: &[(usize, &Op)]) {
+        for &(k, _) in ops {
+            self.done[k] = true;
+            self.group.push(k);
+        }
+    }
+
+    /// At the in-place RMS norm of the q heads: with the kv projection already computed, the
+    /// run [norm kv, RoPE q, RoPE kv, fp8 kv, store kv] fuses into one `qkv_finish`.
+    fn try_qkv_finish(&mut self, q: Buf, n_head: u32, hd: u32, eps_q: f32) -> Result<bool, String> {
+        let Some(next) = self.next_ops(5, None) else { return Ok(false) };
+        let (
+            Op::RmsNorm { x: kv_raw, weight: Some(kvn), out: kv, n, rows: 1, eps: eps_kv },
+            Op::RopeTail { x: rq, n_head: nh, head_dim: hq, n_rot, rope, pos: RopePos::Current, inverse: false },
+            Op::RopeTail {
+                x: rk,
+                n_head: 1,
+                head_dim: hk,
+                n_rot: nr2,
+                rope: rope2,
+                pos: RopePos::Current,
+                inverse: false,
+            },
+            Op::Fp8RoundTrip { x: fx, head_dim: hf, n_rot: nr3 },
+            Op::StoreRaw { kv: sk, cache, row_dim, raw_cap },
+        ) = (next[0].1.clone(), next[1].1.clone(), next[2].1.clone(), next[3].1.clone(), next[4].1.clone())
+        else {
+            return Ok(false);
+        };
+        let same = rq == q
+            && nh == n_head
+            && hq == hd
+            && n == hd
+            && rk == kv
+            && hk == hd
+            && nr2 == n_rot
+            && rope2 == rope
+            && fx == kv
+            && hf == hd
+            && nr3 == n_rot
+            && sk == kv
+            && row_dim == hd;
+        if !same
+            || n_rot > hd
+            || n_rot % 2 != 0
+            || !(hd - n_rot).is_multiple_of(64)
+            || !hd.is_multiple_of(4)
+            || kv_raw == kv
+        {
+            return Ok(false);
+        }
+        let kv_norm = self.f32_weight(kvn)?;
+        let table = self.rope_table(rope, n_rot);
+        self.absorb(&next);
+        let a = QkvFinishArgs {
+            q: b(q),
+            kv_raw: b(kv_raw),
+            kv_norm,
+            kv: b(kv),
+            cache: b(cache),
+            table: Ptr::rope(table),
+            n_head,
+            head_dim: hd,
+            n_rot,
+            raw_cap,
+            eps_q,
+            eps_kv,
+        };
+        self.launch(n_head + 1, 256, a);
+        Ok(true)
+    }
+
+    /// At a compressor's window store: the emit run that follows it (pool, norm, RoPE, round
+    /// trip, row store, and for ratio 4 the shift) fuses into one `compressor_update`.
+    fn try_compressor_update(&mut self, st: &Op) -> Result<bool, String> {
+        let Op::CompressorStore { kv, score, ape, state_kv, state_score, width, ratio } = *st else {
+            return Ok(false);
+        };
+        let n = if ratio == 4 { 6 } else { 5 };
+        let Some(next) = self.next_ops(n, Some(Some(Cond::Emit { ratio }))) else { return Ok(false) };
+        let (
+            Op::CompressorPool { state_kv: pk, state_score: ps, out: pooled, head_dim: hd, ratio: pr },
+            Op::RmsNorm { x: nx, weight: Some(nw), out: row, n: nn, rows: 1, eps },
+            Op::RopeTail {
+                x: rx,
+                n_head: 1,
+                head_dim: rh,
+                n_rot,
+                rope,
+                pos: RopePos::CompressedRow { ratio: rr },
+                inverse: false,
+            },
+            quant_op,
+            Op::StoreCompRow { row: sr, cache, row_dim, ratio: sratio },
+        ) = (next[0].1.clone(), next[1].1.clone(), next[2].1.clone(), next[3].1.clone(), next[4].1.clone())
+        else {
+            return Ok(false);
+        };
+        let quant = match quant_op {
+            Op::Fp8RoundTrip { x, head_dim, n_rot: q_rot } if x == row && head_dim == hd && q_rot == n_rot => 0,
+            Op::IndexerQat { x, rows: 1, head_dim: 128 } if x == row && hd == 128 => 1,
+            _ => return Ok(false),
+        };
+        let shift_ok = ratio != 4
+            || matches!(*next[5].1, Op::CompressorShift { state_kv: a, state_score: s, width: w2, ratio: 4 }
+                if a == state_kv && s == state_score && w2 == width);
+        let same = pk == state_kv
+            && ps == state_score
+            && pr == ratio
+            && nx == pooled
+            && nn == hd
+            && rx == row
+            && rh == hd
+            && rr == ratio
+            && sr == row
+            && row_dim == hd
+            && sratio == ratio
+            && width == if ratio == 4 { 2 * hd } else { hd };
+        if !same
+            || !shift_ok
+            || n_rot > hd
+            || n_rot % 2 != 0
+            || (quant == 0 && !(hd - n_rot).is_multiple_of(64))
+            || !hd.is_multiple_of(4)
+        {
+            return Ok(false);
+        }
+        let ape_f16 = self.is_f16(ape)?;
+        let norm_w = self.f32_weight(nw)?;
+        let table = self.rope_table(rope, n_rot);
+        self.absorb(&next);
+        let a = CompressorUpdateArgs {
+            kv: b(kv),
+            score: b(score),
+            ape: w(ape),
+            state_kv: b(state_kv),
+            state_score: b(state_score),
+            pooled: b(pooled),
+            norm_w,
+            row: b(row),
+            table: Ptr::rope(table),
+            cache: b(cache),
+            emit_cond: pack_cond(Some(Cond::Emit { ratio })),
+            ape_f16,
+            width,
+            ratio,
+            head_dim: hd,
+            n_rot,
+            quant,
+            eps,
+            _pad: 0,
+        };
+        self.launch(1, 256, a);
+        Ok(true)
+    }
+
     fn op(&mut self, step: &Step) -> Result<(), String> {
         self.cond = pack_cond(step.cond);
         match step.op {
@@ -262,6 +540,9 @@ impl Builder<'_> {
                 self.launch(blocks(n_embd, 256), 256, a);
             }
             Op::RmsNorm { x, weight, out, n, rows, eps } => {
+                if self.fuse && rows > 1 && x == out && weight.is_none() && self.try_qkv_finish(x, rows, n, eps)? {
+                    return Ok(());
+                }
                 if n % 4 != 0 || n as usize > 64 * numerics::CHUNK {
                     return Err(format!("RMS norm rows of {n} must be a multiple of 4 and at most 32768"));
                 }
@@ -313,16 +594,7 @@ impl Builder<'_> {
                 self.launch(blocks(n, 256), 256, a);
             }
             Op::HcPost { block, residual, split, out, n_hc } => {
-                let n = self.len(block);
-                let a = HcPostArgs {
-                    block: b(block),
-                    residual: b(residual),
-                    split: b(split),
-                    out: b(out),
-                    n: n as u32,
-                    n_hc,
-                };
-                self.launch(blocks(n * n_hc as usize, 256), 256, a);
+                self.hc_post(block, Buf(u32::MAX), Buf(u32::MAX), residual, split, out, n_hc)
             }
             Op::HcHeadWeights { pre, scale, base, out, eps } => {
                 let n = self.len(pre) as u32;
@@ -334,13 +606,7 @@ impl Builder<'_> {
                     RopePos::Current => (0, 0),
                     RopePos::CompressedRow { ratio } => (1, ratio),
                 };
-                let table = match self.ropes.iter().position(|r| *r == (rope, n_rot)) {
-                    Some(i) => i,
-                    None => {
-                        self.ropes.push((rope, n_rot));
-                        self.ropes.len() - 1
-                    }
-                };
+                let table = self.rope_table(rope, n_rot);
                 let a = RopeTailArgs {
                     x: b(x),
                     table: Ptr::rope(table),
@@ -354,7 +620,7 @@ impl Builder<'_> {
                 self.launch(blocks((n_head * n_rot / 2) as usize, 128), 128, a);
             }
             Op::Fp8RoundTrip { x, head_dim, n_rot } => {
-                self.launch((head_dim - n_rot) / 64, 64, Fp8RoundTripArgs { x: b(x) });
+                self.launch((head_dim - n_rot) / 64, 32, Fp8RoundTripArgs { x: b(x) });
             }
             Op::IndexerQat { x, rows, .. } => self.launch(rows, 128, IndexerQatArgs { x: b(x) }),
             Op::StoreRaw { kv, cache, row_dim, raw_cap } => {
@@ -362,6 +628,9 @@ impl Builder<'_> {
                 self.launch(blocks(row_dim as usize, 256), 256, a);
             }
             Op::CompressorStore { kv, score, ape, state_kv, state_score, width, ratio } => {
+                if self.fuse && self.try_compressor_update(&step.op)? {
+                    return Ok(());
+                }
                 let ape_f16 = self.is_f16(ape)?;
                 let a = CompressorStoreArgs {
                     kv: b(kv),
@@ -437,6 +706,33 @@ impl Builder<'_> {
                 // Visible compressed rows never exceed the cap, nor top_k once the indexer selects.
                 let max_rows = raw_rows.cap + comp_rows.cap;
                 self.need(Scratch::Scores, (n_head * max_rows) as usize * 4);
+                // The inverse RoPE that follows, and the Q8_0 quantization of the heads for the
+                // output projection, run in the attention blocks.
+                let (mut rope_ptr, mut rope_rot, mut xq, mut xd) = (Ptr::NULL, 0, Ptr::NULL, Ptr::NULL);
+                if let Some(next) = self.next_ops(1, None).filter(|_| self.fuse) {
+                    if let Op::RopeTail {
+                        x,
+                        n_head: nh,
+                        head_dim: hh,
+                        n_rot,
+                        rope,
+                        pos: RopePos::Current,
+                        inverse: true,
+                    } = *next[0].1
+                    {
+                        if x == out && nh == n_head && hh == head_dim && n_rot % 2 == 0 {
+                            rope_ptr = Ptr::rope(self.rope_table(rope, n_rot));
+                            rope_rot = n_rot;
+                            self.absorb(&next);
+                            if head_dim % 32 == 0 && self.next_q8_input_after(out, next[0].0) {
+                                let len = self.len(out);
+                                self.need(Scratch::Q8Qs, len);
+                                self.need(Scratch::Q8D, len / 32 * 4);
+                                (xq, xd) = (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr());
+                            }
+                        }
+                    }
+                }
                 let a = AttentionArgs {
                     q: b(q),
                     raw: b(raw),
@@ -445,6 +741,9 @@ impl Builder<'_> {
                     sinks: self.f32_weight(sinks)?,
                     out: b(out),
                     scores: Scratch::Scores.ptr(),
+                    rope: rope_ptr,
+                    xq,
+                    xd,
                     head_dim,
                     window,
                     raw_cap: raw_rows.cap,
@@ -453,8 +752,13 @@ impl Builder<'_> {
                     top_k,
                     max_rows,
                     kq_scale: crate::backends::gpu_tables::attention_kq_scale(head_dim),
+                    n_rot: rope_rot,
+                    _pad: 0,
                 };
                 self.launch(n_head, 256, a);
+                if xq != Ptr::NULL {
+                    self.q8_of = Some((out, self.cond, self.op));
+                }
             }
             Op::RouterSelect { logits, bias, hash, selected, weights, n_used, scale } => {
                 let n_expert = self.len(logits) as u32;
@@ -538,13 +842,31 @@ impl Builder<'_> {
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
-                self.launch(
-                    blocks(n, 256),
-                    256,
-                    SwiGluArgs { gate: b(gate), up: b(up), out: b(out), n: n as u32, clamp },
-                );
+                // Writes the Q8_0 quantization too when the next Q8_0 matvec reads its output.
+                let (xq, xd) = if self.fuse && n.is_multiple_of(32) && self.next_q8_input_is(out) {
+                    self.need(Scratch::Q8Qs, n);
+                    self.need(Scratch::Q8D, n / 32 * 4);
+                    (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+                } else {
+                    (Ptr::NULL, Ptr::NULL)
+                };
+                let a = SwiGluArgs { gate: b(gate), up: b(up), out: b(out), xq, xd, n: n as u32, clamp };
+                self.launch(blocks(n, 256), 256, a);
+                if xq != Ptr::NULL {
+                    self.q8_of = Some((out, self.cond, self.op));
+                }
             }
             Op::Add { a, b: y, out } => {
+                // An add whose sum only feeds the HC post that follows runs inside it.
+                if let Some(next) = self.next_ops(1, None).filter(|_| self.fuse) {
+                    if let Op::HcPost { block, residual, split, out: hc_out, n_hc } = *next[0].1 {
+                        if block == out && ![a, y].contains(&hc_out) && ![residual, split].contains(&out) {
+                            self.absorb(&next);
+                            self.hc_post(a, y, out, residual, split, hc_out, n_hc);
+                            return Ok(());
+                        }
+                    }
+                }
                 let n = self.len(out);
                 self.launch(blocks(n, 256), 256, AddArgs { a: b(a), b: b(y), out: b(out), n: n as u32, _pad: 0 });
             }
@@ -561,10 +883,14 @@ fn comp_ratio(b: crate::recorder::Bound) -> Result<u32, String> {
     }
 }
 
-/// Plans every op of `program`, in order.
-pub fn plan(program: &Program) -> Result<Plan, String> {
+/// Plans every op of `program`, in order. With `fuse`, runs of ops share launches (the plan a
+/// token and its graph use); without, every launch computes one op (for running a range of ops).
+pub fn plan(program: &Program, fuse: bool) -> Result<Plan, String> {
     let mut b = Builder {
         program,
+        fuse,
+        done: vec![false; program.steps().len()],
+        group: Vec::new(),
         launches: Vec::new(),
         need: Vec::new(),
         cond: 0,
@@ -574,10 +900,21 @@ pub fn plan(program: &Program) -> Result<Plan, String> {
         tickets: 0,
     };
     for (i, step) in program.steps().iter().enumerate() {
+        if b.done[i] {
+            continue;
+        }
         b.op = i;
+        b.group = vec![i];
+        let first = b.launches.len();
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
-        // What an op writes is no longer what was quantized, unless the op quantized its own output.
-        if b.q8_of.is_some_and(|(q, _, by)| by != i && step.op.writes().contains(&q)) {
+        let mut ops = b.group.clone();
+        ops.sort_unstable();
+        for l in &mut b.launches[first..] {
+            l.ops = ops.clone();
+        }
+        // What the ops wrote is no longer what was quantized, unless they quantized their output.
+        let steps = program.steps();
+        if b.q8_of.is_some_and(|(q, _, by)| by != i && ops.iter().any(|&k| steps[k].op.writes().contains(&q))) {
             b.q8_of = None;
         }
     }
@@ -620,71 +957,120 @@ mod tests {
                 .unwrap_or_else(|| panic!("no kernel named {kernel} in kernels/"));
             assert_eq!(ty, c_name, "kernel {kernel}");
         }
-        for preset in [Preset::tiny(), Preset::small()] {
+        for (preset, fuse) in [(Preset::tiny(), false), (Preset::tiny(), true), (Preset::small(), true)] {
             let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
-            let plan = plan(&program).unwrap();
-            let mut ops_seen = vec![false; program.steps().len()];
+            let plan = plan(&program, fuse).unwrap();
+            let mut ops_seen = vec![0; program.steps().len()];
+            let mut last_group: Option<&Vec<usize>> = None;
             for l in &plan.launches {
                 assert!(sigs.iter().any(|(k, _)| k == l.kernel), "no kernel named {} in kernels/", l.kernel);
                 assert!(l.grid >= 1 && l.block >= 32 && l.block <= 1024, "{}: {} x {}", l.kernel, l.grid, l.block);
                 for &p in &l.ptr_words {
                     assert!(args::Ptr(l.args[p]).reference().is_some(), "{}: word {p} is not a reference", l.kernel);
                 }
-                ops_seen[l.op] = true;
+                assert!(fuse || l.ops.len() == 1, "{}: fused without fusion", l.kernel);
+                // An op belongs to one group of consecutive launches.
+                if last_group != Some(&l.ops) {
+                    for &k in &l.ops {
+                        ops_seen[k] += 1;
+                    }
+                }
+                last_group = Some(&l.ops);
+                // Predicated ops keep their predicate on every launch; a fused launch's ops share it,
+                // or it decides their predicate inside (compressor_update, under emit).
+                if l.kernel != "compressor_update" {
+                    for &k in &l.ops {
+                        assert_eq!(l.cond, pack_cond(program.steps()[k].cond), "{} op {k}", l.kernel);
+                    }
+                }
             }
-            assert!(ops_seen.iter().all(|&s| s), "every recorded op has at least one launch");
-            // Predicated ops keep their predicate on every launch.
-            for l in &plan.launches {
-                assert_eq!(l.cond, pack_cond(program.steps()[l.op].cond));
-            }
+            assert!(ops_seen.iter().all(|&s| s == 1), "every recorded op is computed by exactly one group of launches");
         }
     }
 
     /// Every Q8_0 matvec reads a Q8_0 scratch that holds its own input's quantization: the last
-    /// quantizing launch before it (a quantize_q8_0, or a norm that quantizes its output) was of
-    /// that buffer, and no op has written the buffer since.
+    /// quantizing launch before it (a quantize_q8_0, or a norm, attention or SwiGLU that quantizes
+    /// its output) was of that buffer, and no op has written the buffer since.
     #[test]
     fn every_q8_0_matvec_reads_the_quantization_of_its_input() {
         for preset in [Preset::tiny(), Preset::small()] {
             let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
-            let plan = plan(&program).unwrap();
-            let mut held: Option<(u64, usize)> = None; // (the quantized buffer's reference, the op that quantized it)
-            let (mut checked, mut fused) = (0, 0);
-            for (i, l) in plan.launches.iter().enumerate() {
-                let op = &program.steps()[l.op].op;
-                match l.kernel {
-                    "quantize_q8_0" => {
-                        assert_ne!(held.map(|h| h.0), Some(l.args[0]), "launch {i} re-quantizes a held input");
-                        held = Some((l.args[0], l.op));
+            for fuse in [false, true] {
+                let plan = plan(&program, fuse).unwrap();
+                // (the quantized buffer's reference, the launch group that quantized it)
+                let mut held: Option<(u64, &Vec<usize>)> = None;
+                let (mut checked, mut fused) = (0, 0);
+                for (i, l) in plan.launches.iter().enumerate() {
+                    let ops = &l.ops;
+                    // (word of the output, word of xq) for the launches that quantize their output.
+                    let quantizes = match l.kernel {
+                        "rms_norm" => Some((2, 3)),
+                        "attention" => Some((5, 8)),
+                        "swiglu" => Some((2, 3)),
+                        _ => None,
+                    };
+                    match (l.kernel, quantizes) {
+                        ("quantize_q8_0", _) => {
+                            assert_ne!(held.map(|h| h.0), Some(l.args[0]), "launch {i} re-quantizes a held input");
+                            held = Some((l.args[0], ops));
+                        }
+                        (_, Some((out, xq))) if l.args[xq] != 0 => {
+                            held = Some((l.args[out], ops));
+                            fused += 1;
+                        }
+                        ("mat_vec_q8_0", _) => {
+                            for &k in ops {
+                                let x = match program.steps()[k].op {
+                                    Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
+                                    ref op => panic!("launch {i}: {op:?} in a Q8_0 matvec"),
+                                };
+                                assert_eq!(held.map(|h| h.0), Some(args::Ptr::buf(x).0), "launch {i} (op {k})");
+                                checked += 1;
+                            }
+                        }
+                        _ => {}
                     }
-                    "rms_norm" if l.args[3] != 0 => {
-                        held = Some((l.args[2], l.op));
-                        fused += 1;
+                    // After a group's last launch, what its ops wrote is no longer what was quantized
+                    // (unless the group quantized its own output).
+                    let last_of_group = plan.launches.get(i + 1).is_none_or(|n| n.ops != l.ops);
+                    if let (true, Some((buf, by))) = (last_of_group, held) {
+                        let writes = ops
+                            .iter()
+                            .any(|&k| program.steps()[k].op.writes().iter().any(|&w| args::Ptr::buf(w).0 == buf));
+                        if by != ops && writes {
+                            held = None;
+                        }
                     }
-                    "mat_vec_q8_0" => {
-                        let x = match *op {
-                            Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
-                            _ => unreachable!(),
-                        };
-                        assert_eq!(held.map(|h| h.0), Some(args::Ptr::buf(x).0), "launch {i} ({op:?})");
-                        checked += 1;
-                    }
-                    _ => {}
                 }
-                // After an op's last launch, what it wrote is no longer what was quantized (unless
-                // it is the op that quantized its own output).
-                let last_of_op = plan.launches.get(i + 1).is_none_or(|n| n.op != l.op);
-                if let (true, Some((buf, by))) = (last_of_op, held) {
-                    if by != l.op && op.writes().iter().any(|&w| args::Ptr::buf(w).0 == buf) {
-                        held = None;
-                    }
-                }
+                assert!(checked > 10, "{}: {checked} Q8_0 matvecs", preset.name);
+                assert!(!FUSE_NORM_Q8 || fused > 3, "{}: {fused} fused quantizations", preset.name);
             }
-            assert!(checked > 10, "{}: {checked} Q8_0 matvecs", preset.name);
-            assert!(!FUSE_NORM_Q8 || fused > 3, "{}: {fused} fused norms", preset.name);
         }
+    }
+
+    /// Fusion keeps the work and cuts the launches: on the Flash shape every fused kernel appears,
+    /// and the node count is well under the unfused one.
+    #[test]
+    fn flash_fuses_its_small_ops() {
+        let model = synth::device_model(&Preset::flash(), 1).unwrap();
+        let program = record_token(&model, Caps { ctx: 2048 }).unwrap();
+        let (fused, single) = (plan(&program, true).unwrap(), plan(&program, false).unwrap());
+        let count = |p: &Plan, k: &str| p.launches.iter().filter(|l| l.kernel == k).count();
+        let layers = 43;
+        assert_eq!(count(&fused, "qkv_finish"), layers);
+        assert_eq!(count(&fused, "compressor_update"), count(&single, "compressor_store"));
+        assert_eq!(count(&fused, "add"), 0);
+        // Only the indexer query's RoPE is left on its own.
+        assert_eq!(count(&fused, "rope_tail"), count(&fused, "indexer_scores"));
+        let mut by_kernel: std::collections::BTreeMap<&str, usize> = Default::default();
+        for l in &fused.launches {
+            *by_kernel.entry(l.kernel).or_default() += 1;
+        }
+        println!("{by_kernel:?}");
+        println!("Flash: {} launches fused, {} one per op", fused.launches.len(), single.launches.len());
+        assert!(fused.launches.len() < single.launches.len() * 2 / 3, "{} launches", fused.launches.len());
     }
 
     /// kernels/moe.cu negates IQ2_XXS grid bytes by (v ^ 0xff) + 1 within a 32-bit word, which

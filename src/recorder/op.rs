@@ -134,6 +134,38 @@ impl Op {
         }
     }
 
+    /// The buffers the op reads (state it updates in place included). With [`Op::writes`], plans
+    /// use it to know whether an op may move past others.
+    pub fn reads(&self) -> Vec<Buf> {
+        let mut r = match *self {
+            Op::EmbedHc { .. } => vec![],
+            Op::RmsNorm { x, .. } | Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => vec![x],
+            Op::HcSplit { mix, .. } => vec![mix],
+            Op::HcWeightedSum { hc, weights, .. } => vec![hc, weights],
+            Op::HcPost { block, residual, split, .. } => vec![block, residual, split],
+            Op::HcHeadWeights { pre, .. } => vec![pre],
+            Op::RopeTail { x, .. } | Op::Fp8RoundTrip { x, .. } | Op::IndexerQat { x, .. } => vec![x],
+            Op::StoreRaw { kv, .. } => vec![kv],
+            Op::CompressorStore { kv, score, .. } => vec![kv, score],
+            Op::CompressorPool { state_kv, state_score, .. } | Op::CompressorShift { state_kv, state_score, .. } => {
+                vec![state_kv, state_score]
+            }
+            Op::StoreCompRow { row, .. } => vec![row],
+            Op::IndexerScores { q, weights, cache, .. } => vec![q, weights, cache],
+            Op::IndexerTopK { scores, .. } => vec![scores],
+            Op::Attention { q, raw, comp, selected, .. } => {
+                [Some(q), Some(raw), comp, selected].into_iter().flatten().collect()
+            }
+            Op::RouterSelect { logits, .. } => vec![logits],
+            Op::MoeExperts { x, selected, weights, .. } => vec![x, selected, weights],
+            Op::SwiGlu { gate, up, .. } => vec![gate, up],
+            Op::Add { a, b, .. } => vec![a, b],
+        };
+        r.sort();
+        r.dedup();
+        r
+    }
+
     /// The op's name, shared by the CPU function, the WGSL entry point and the CUDA kernel.
     pub fn name(&self) -> &'static str {
         match self {
