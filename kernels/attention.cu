@@ -5,9 +5,15 @@
 //   w_r = exp(s_r - max(sink, s...))
 //   rows in chunks of DS4_ATTN_ROW_CHUNK: inside a chunk the weights and each output dim add
 //   sequentially from +0; denom = exp(sink - m) + chunk sums in order; out = (sum of chunk sums) * (1/denom).
-extern "C" __global__ void attention(DS4_ARGS, const AttentionArgs a) {
+// Parallel shape: a block of up to 1024 threads per head. Scores: a warp per row. Denominator:
+// a thread per chunk sums its weights, then one thread adds the chunk sums in order. Output:
+// a thread per (chunk, dim) sums the chunk's rows, batches of chunks held in shared memory, and
+// the thread that owns a dim adds them in order (head_dim <= blockDim, plan.rs checks it).
+#define ATTN_PART 4096
+extern "C" __global__ void __launch_bounds__(1024) attention(DS4_ARGS, const AttentionArgs a) {
     DS4_GUARD;
     __shared__ float denom_sh;
+    __shared__ float part[ATTN_PART];
     const u32 h = blockIdx.x;
     const u32 head_dim = a.head_dim;
     const u32 n_raw = ds4_raw_rows(P, a.window, a.raw_cap);
@@ -19,6 +25,7 @@ extern "C" __global__ void attention(DS4_ARGS, const AttentionArgs a) {
     const float* qh = a.q + (u64)h * head_dim;
     float* sc = a.scores + (u64)h * a.max_rows;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 n_chunks = (n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
 
     // Row r: raw rows oldest first, then compressed rows in ascending order.
 #define ROW_PTR(r) ((r) < n_raw ? a.raw + (u64)((first + (r)) % a.raw_cap) * head_dim \
@@ -35,26 +42,40 @@ extern "C" __global__ void attention(DS4_ARGS, const AttentionArgs a) {
     __syncthreads();
     for (u32 r = threadIdx.x; r < n_rows; r += blockDim.x) sc[r] = ds4_expf(sc[r] - m);
     __syncthreads();
+    // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk sums
+    // in order (plan.rs: n_chunks <= ATTN_PART).
+    for (u32 c = threadIdx.x; c < n_chunks; c += blockDim.x) {
+        float s = 0.0f;
+        const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, n_rows);
+        for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += sc[r];
+        part[c] = s;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
         float denom = ds4_expf(sink - m);
-        for (u32 c = 0; c < n_rows; c += DS4_ATTN_ROW_CHUNK) {
-            float part = 0.0f;
-            for (u32 r = c; r < min(c + DS4_ATTN_ROW_CHUNK, n_rows); r++) part += sc[r];
-            denom += part;
-        }
+        for (u32 c = 0; c < n_chunks; c++) denom += part[c];
         denom_sh = denom;
     }
     __syncthreads();
     const float inv = 1.0f / denom_sh;
-    for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        float acc = 0.0f;
-        for (u32 c = 0; c < n_rows; c += DS4_ATTN_ROW_CHUNK) {
-            float part = 0.0f;
-            for (u32 r = c; r < min(c + DS4_ATTN_ROW_CHUNK, n_rows); r++) part += sc[r] * ROW_PTR(r)[i];
-            acc += part;
+    const u32 batch = ATTN_PART / head_dim;
+    float acc = 0.0f;
+    for (u32 c0 = 0; c0 < n_chunks; c0 += batch) {
+        const u32 nc = min(batch, n_chunks - c0);
+        for (u32 task = threadIdx.x; task < nc * head_dim; task += blockDim.x) {
+            const u32 c = c0 + task / head_dim, i = task % head_dim;
+            const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, n_rows);
+            float p = 0.0f;
+#pragma unroll 8
+            for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) p += sc[r] * ROW_PTR(r)[i];
+            part[task] = p;
         }
-        a.out[(u64)h * head_dim + i] = acc * inv;
+        __syncthreads();
+        if (threadIdx.x < head_dim)
+            for (u32 c = 0; c < nc; c++) acc += part[c * head_dim + threadIdx.x];
+        __syncthreads();
     }
+    if (threadIdx.x < head_dim) a.out[(u64)h * head_dim + threadIdx.x] = acc * inv;
 #undef ROW_PTR
     // Fused (plan.rs): the inverse RoPE of the head's tail, then the head's Q8_0 quantization for
     // the output projection, as rope_tail and quantize_q8_0 would compute them.

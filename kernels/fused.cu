@@ -73,3 +73,101 @@ extern "C" __global__ void compressor_update(DS4_ARGS, const CompressorUpdateArg
         }
     }
 }
+
+// Lane sum of one 512-term chunk of an F16 row times x * scale (the RMS-normalized input, each
+// value rounded as rms_norm stores it), in chunk_dot_f16's order.
+__device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const float* x, float scale, u32 n, u32 lane) {
+    float acc = 0.0f;
+#pragma unroll
+    for (u32 u = 0; u < 2; u++) {
+        const u32 i = u * 256 + lane * 8;
+        if (i < n) {
+            const uint4 q = c.q[u];
+            const float4 p = *(const float4*)(x + i), s = *(const float4*)(x + i + 4);
+            acc += h2f((u16)(q.x & 0xffff)) * (p.x * scale);
+            acc += h2f((u16)(q.x >> 16)) * (p.y * scale);
+            acc += h2f((u16)(q.y & 0xffff)) * (p.z * scale);
+            acc += h2f((u16)(q.y >> 16)) * (p.w * scale);
+            acc += h2f((u16)(q.z & 0xffff)) * (s.x * scale);
+            acc += h2f((u16)(q.z >> 16)) * (s.y * scale);
+            acc += h2f((u16)(q.w & 0xffff)) * (s.z * scale);
+            acc += h2f((u16)(q.w >> 16)) * (s.w * scale);
+        }
+    }
+    return acc;
+}
+
+// The HC pre-mix of a half-layer: the plain RMS norm of the streams (`flat`), the F16 control
+// projection (`mix`, split-K as mat_vec_f16_split: every block computes the norm's scale itself),
+// then in the last block to finish: the Sinkhorn split, the weighted sum of the streams (`cur`)
+// and the sublayer's RMS norm with weight (`norm`, with its Q8_0 quantization when `xq` is set).
+#define HC_PRE_MAX_PARTIALS 2048
+#define HC_PRE_MAX_EMBD 8192
+extern "C" __global__ void __launch_bounds__(1024) hc_pre(DS4_ARGS, const HcPreArgs a) {
+    DS4_GUARD_EARLY;
+    __shared__ bool last;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 n = a.hc_dim;
+    const u32 wid = blockIdx.x * nw + warp;
+    const bool live = wid < a.mix_rows * a.n_chunks;
+    const u32 r = live ? wid / a.n_chunks : 0, c = live ? (wid % a.n_chunks) * DS4_CHUNK : 0;
+    F16Chunk chunk;
+    if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
+    ds4_wait_predecessor();
+    const float scale = rms_scale_block(a.x, n, a.eps_flat);
+    if (live) {
+        const float s = warp_sum(chunk_dot_f16_scaled(chunk, a.x + c, scale, n - c, lane));
+        if (lane == 0) a.partial[wid] = s;
+        if (r == 0)
+            for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = a.x[c + i] * scale;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // The last block: the chunk sums staged in shared memory by all threads at once (their
+    // loads overlap), then each row's sums added in order by one thread.
+    __shared__ float sums[HC_PRE_MAX_PARTIALS];
+    __shared__ __align__(16) float cur[HC_PRE_MAX_EMBD];
+    const u32 n_part = a.mix_rows * a.n_chunks;
+    for (u32 i = threadIdx.x; i < n_part; i += blockDim.x) sums[i] = __ldcg(a.partial + i);
+    __syncthreads();
+    for (u32 row = threadIdx.x; row < a.mix_rows; row += blockDim.x) {
+        float total = 0.0f;
+        for (u32 k = 0; k < a.n_chunks; k++) total += sums[row * a.n_chunks + k];
+        a.mix[row] = total;
+    }
+    __syncthreads();
+    if (warp == 0) hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps_hc);
+    __syncthreads();
+    const u32 ne = a.n_embd;
+    const float w0 = a.split[0], w1 = a.split[1], w2 = a.split[2], w3 = a.split[3];
+    for (u32 d = threadIdx.x; d < ne; d += blockDim.x) {
+        float acc = 0.0f;
+        acc += a.x[d] * w0;
+        acc += a.x[ne + d] * w1;
+        acc += a.x[2 * ne + d] * w2;
+        acc += a.x[3 * ne + d] * w3;
+        cur[d] = acc;
+        a.cur[d] = acc;
+    }
+    __syncthreads();
+    const float s2 = rms_scale_block(cur, ne, a.eps_norm);
+    if (a.xq) {
+        for (u32 blk = warp; blk < ne / 32; blk += nw) {
+            const u32 i = blk * 32 + lane;
+            const float v = cur[i] * s2;
+            const float o = v * a.norm_w[i];
+            a.norm[i] = o;
+            quantize_q8_0_warp(o, a.xq, a.xd, blk, lane);
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < ne; i += blockDim.x) {
+            const float v = cur[i] * s2;
+            a.norm[i] = v * a.norm_w[i];
+        }
+    }
+    if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
+}

@@ -14,18 +14,13 @@ extern "C" __global__ void embed_hc(DS4_ARGS, const EmbedHcArgs a) {
 // One warp: lanes 0..7 make the 4 pre and 4 post gates; lane k < 16 holds the combine matrix's
 // element k = src + dst*4 through the softmax and the 20 Sinkhorn iterations. Every row and column
 // sum reads its four elements by shuffles and adds them in ds4's order (dst, or src, ascending),
-// so each lane computes exactly what the serial reference does.
-extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
-    DS4_GUARD;
-    if (blockIdx.x != 0 || a.n_hc != 4) return;
+// so each lane computes exactly what the serial reference does. Called by all 32 lanes of a warp.
+__device__ void hc_split_warp(const float* mix, const float* scale, const float* base, float* split, u32 iters,
+                              float eps) {
     const u32 lane = threadIdx.x & 31;
     const int n = 4;
-    const float* mix = a.mix;
-    const float* scale = a.scale;
-    const float* base = a.base;
-    const float eps = a.eps;
-    if (lane < 4) a.split[lane] = 1.0f / (1.0f + ds4_expf(-(mix[lane] * scale[0] + base[lane]))) + eps;
-    else if (lane < 8) a.split[lane] = 2.0f / (1.0f + ds4_expf(-(mix[lane] * scale[1] + base[lane])));
+    if (lane < 4) split[lane] = 1.0f / (1.0f + ds4_expf(-(mix[lane] * scale[0] + base[lane]))) + eps;
+    else if (lane < 8) split[lane] = 2.0f / (1.0f + ds4_expf(-(mix[lane] * scale[1] + base[lane])));
     const u32 k = lane & 15, src = k & 3, dst = k >> 2;
     float c = mix[2 * n + k] * scale[2] + base[2 * n + k];
     // Softmax over src for each dst row, then + eps.
@@ -35,7 +30,7 @@ extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
     float sum = 0.0f;
     for (u32 s = 0; s < 4; s++) sum += __shfl_sync(0xffffffffu, c, dst * 4 + s);
     c = c * (1.0f / sum) + eps;
-    for (u32 it = 0; it < a.iters; it++) {
+    for (u32 it = 0; it < iters; it++) {
         if (it > 0) {
             float t = 0.0f;  // this dst row, over src
             for (u32 s = 0; s < 4; s++) t += __shfl_sync(0xffffffffu, c, dst * 4 + s);
@@ -45,7 +40,13 @@ extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
         for (u32 d = 0; d < 4; d++) t += __shfl_sync(0xffffffffu, c, d * 4 + src);
         c *= 1.0f / (t + eps);
     }
-    if (lane < 16) a.split[2 * n + k] = c;
+    if (lane < 16) split[2 * n + k] = c;
+}
+
+extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
+    DS4_GUARD;
+    if (blockIdx.x != 0 || a.n_hc != 4) return;
+    hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps);
 }
 
 // out[d] = sum_h weights[h] * hc[h*n + d]

@@ -446,6 +446,90 @@ impl<'a> Builder<'a> {
         Ok(true)
     }
 
+    /// At the plain RMS norm of the HC streams: the run [control projection (F16), Sinkhorn split,
+    /// weighted sum, sublayer norm] fuses into one split-K `hc_pre` whose last block does the rest.
+    fn try_hc_pre(&mut self, x: Buf, flat: Buf, hc_dim: u32, eps_flat: f32) -> Result<bool, String> {
+        let Some(next) = self.next_ops(4, None) else { return Ok(false) };
+        let (
+            Op::MatVec { w: fw, x: mx, out: mix },
+            Op::HcSplit { mix: sm, scale, base, split, n_hc: 4, iters, eps: eps_hc },
+            Op::HcWeightedSum { hc, weights, out: cur, n_hc: 4 },
+            Op::RmsNorm { x: nx, weight: Some(nw), out: norm, n: n_embd, rows: 1, eps: eps_norm },
+        ) = (next[0].1.clone(), next[1].1.clone(), next[2].1.clone(), next[3].1.clone())
+        else {
+            return Ok(false);
+        };
+        let t = self.program.weight(fw);
+        let (in_dim, mix_rows) = (t.dim(0) as u32, t.dim(1) as u32);
+        let same = mx == flat
+            && sm == mix
+            && hc == x
+            && weights == split
+            && nx == cur
+            && in_dim == hc_dim
+            && hc_dim == 4 * n_embd
+            && self.len(mix) == mix_rows as usize
+            && self.len(cur) == n_embd as usize;
+        if !same
+            || t.ty != GgmlType::F16
+            || !hc_dim.is_multiple_of(numerics::CHUNK as u32)
+            || !n_embd.is_multiple_of(32)
+            || hc_dim as usize > 64 * numerics::CHUNK
+            || n_embd as usize > 64 * numerics::CHUNK
+            || mix_rows < 2 * 4 + 16
+            || n_embd > 8192
+            || mix_rows * (hc_dim / numerics::CHUNK as u32) > 2048
+        {
+            return Ok(false);
+        }
+        let (scale, base, norm_w) = (self.f32_weight(scale)?, self.f32_weight(base)?, self.f32_weight(nw)?);
+        let norm_op = next[3].0;
+        self.absorb(&next);
+        let n_chunks = hc_dim / numerics::CHUNK as u32;
+        self.need(Scratch::Partial, (mix_rows * n_chunks) as usize * 4);
+        self.tickets += 1;
+        self.need(Scratch::Tickets, self.tickets as usize * 4);
+        let (xq, xd) = if FUSE_NORM_Q8 && self.next_q8_input_after(norm, norm_op) {
+            self.need(Scratch::Q8Qs, n_embd as usize);
+            self.need(Scratch::Q8D, n_embd as usize / 32 * 4);
+            (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+        } else {
+            (Ptr::NULL, Ptr::NULL)
+        };
+        let a = HcPreArgs {
+            x: b(x),
+            fn_w: w(fw),
+            partial: Scratch::Partial.ptr(),
+            tickets: Scratch::Tickets.ptr(),
+            flat: b(flat),
+            mix: b(mix),
+            scale,
+            base,
+            split: b(split),
+            cur: b(cur),
+            norm_w,
+            norm: b(norm),
+            xq,
+            xd,
+            hc_dim,
+            mix_rows,
+            n_chunks,
+            ticket: self.tickets - 1,
+            n_embd,
+            iters,
+            eps_flat,
+            eps_hc,
+            eps_norm,
+            _pad: 0,
+        };
+        // Blocks of 1024 threads: the last one does the serial tail with 32 warps.
+        self.launch(blocks((mix_rows * n_chunks) as usize, 32), 1024, a);
+        if xq != Ptr::NULL {
+            self.q8_of = Some((norm, self.cond, self.op));
+        }
+        Ok(true)
+    }
+
     /// At a compressor's window store: the emit run that follows it (pool, norm, RoPE, round
     /// trip, row store, and for ratio 4 the shift) fuses into one `compressor_update`.
     fn try_compressor_update(&mut self, st: &Op) -> Result<bool, String> {
@@ -541,6 +625,9 @@ impl<'a> Builder<'a> {
             }
             Op::RmsNorm { x, weight, out, n, rows, eps } => {
                 if self.fuse && rows > 1 && x == out && weight.is_none() && self.try_qkv_finish(x, rows, n, eps)? {
+                    return Ok(());
+                }
+                if self.fuse && rows == 1 && x != out && weight.is_none() && self.try_hc_pre(x, out, n, eps)? {
                     return Ok(());
                 }
                 if n % 4 != 0 || n as usize > 64 * numerics::CHUNK {
@@ -705,6 +792,11 @@ impl<'a> Builder<'a> {
                 let ratio = if comp.is_some() { comp_ratio(comp_rows)? } else { 0 };
                 // Visible compressed rows never exceed the cap, nor top_k once the indexer selects.
                 let max_rows = raw_rows.cap + comp_rows.cap;
+                if head_dim > 1024 || max_rows.div_ceil(numerics::ATTN_ROW_CHUNK as u32) > 4096 {
+                    return Err(format!(
+                        "attention over {max_rows} rows of {head_dim} exceeds the kernel's 1024 dims and 4096 row chunks"
+                    ));
+                }
                 self.need(Scratch::Scores, (n_head * max_rows) as usize * 4);
                 // The inverse RoPE that follows, and the Q8_0 quantization of the heads for the
                 // output projection, run in the attention blocks.
@@ -755,7 +847,7 @@ impl<'a> Builder<'a> {
                     n_rot: rope_rot,
                     _pad: 0,
                 };
-                self.launch(n_head, 256, a);
+                self.launch(n_head, 1024, a);
                 if xq != Ptr::NULL {
                     self.q8_of = Some((out, self.cond, self.op));
                 }
@@ -934,6 +1026,11 @@ mod tests {
         let src = super::super::kernel_source();
         let mut out = Vec::new();
         for part in src.split("extern \"C\" __global__ void ").skip(1) {
+            // A `__launch_bounds__(...)` may come before the name.
+            let part = match part.strip_prefix("__launch_bounds__(") {
+                Some(rest) => &rest[rest.find(')').unwrap() + 1..],
+                None => part,
+            };
             let name = part[..part.find('(').unwrap()].trim().to_string();
             let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
             let parts: Vec<&str> = params.split(',').map(str::trim).collect();
@@ -1009,6 +1106,7 @@ mod tests {
                         "rms_norm" => Some((2, 3)),
                         "attention" => Some((5, 8)),
                         "swiglu" => Some((2, 3)),
+                        "hc_pre" => Some((11, 12)),
                         _ => None,
                     };
                     match (l.kernel, quantizes) {
@@ -1062,6 +1160,8 @@ mod tests {
         assert_eq!(count(&fused, "qkv_finish"), layers);
         assert_eq!(count(&fused, "compressor_update"), count(&single, "compressor_store"));
         assert_eq!(count(&fused, "add"), 0);
+        assert_eq!(count(&fused, "hc_pre"), 2 * layers);
+        assert_eq!(count(&fused, "hc_split"), 0);
         // Only the indexer query's RoPE is left on its own.
         assert_eq!(count(&fused, "rope_tail"), count(&fused, "indexer_scores"));
         let mut by_kernel: std::collections::BTreeMap<&str, usize> = Default::default();
