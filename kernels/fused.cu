@@ -74,6 +74,36 @@ extern "C" __global__ void compressor_update(DS4_ARGS, const CompressorUpdateArg
     }
 }
 
+// Barrier `id` over the first `n` threads that reach it (a multiple of 32), for warps that
+// synchronize among themselves while another warp of the block does something else.
+__device__ __forceinline__ void named_barrier(u32 id, u32 n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// rms_scale_block for the `n_threads` threads from warp `w0` on, synchronized by named barrier 1:
+// the same chunk sums added in the same order, so the same scale.
+__device__ float rms_scale_warps(const float* x, u32 n, float eps, u32 w0, u32 n_threads) {
+    __shared__ float chunk_sums[NORM_MAX_CHUNKS];
+    __shared__ float scale_sh;
+    const u32 lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - w0, nw = n_threads >> 5;
+    const u32 n_chunks = (n + DS4_CHUNK - 1) / DS4_CHUNK;
+    for (u32 c = warp; c < n_chunks; c += nw) {
+        const float* xc = x + c * DS4_CHUNK;
+        const float s = warp_sum(chunk_dot_f32(xc, xc, n - c * DS4_CHUNK, lane));
+        if (lane == 0) chunk_sums[c] = s;
+    }
+    named_barrier(1, n_threads);
+    if (warp == 0 && lane == 0) {
+        float ss = 0.0f;
+        for (u32 c = 0; c < n_chunks; c++) ss += chunk_sums[c];
+        scale_sh = 1.0f / sqrtf(ss / (float)n + eps);
+    }
+    named_barrier(1, n_threads);
+    const float scale = scale_sh;
+    named_barrier(1, n_threads);
+    return scale;
+}
+
 // Lane sum of one 512-term chunk of an F16 row times x * scale (the RMS-normalized input, each
 // value rounded as rms_norm stores it), in chunk_dot_f16's order.
 __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const float* x, float scale, u32 n, u32 lane) {
@@ -139,24 +169,33 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(DS4_ARGS, const HcPreA
         for (u32 k = 0; k < a.n_chunks; k++) total += sums[row * a.n_chunks + k];
         a.mix[row] = total;
     }
+    // Only the 4 pre gates feed the weighted sum; the post gates and the Sinkhorn combine matrix
+    // wait until hc_post. So warp 0 publishes the pre gates, then runs the whole split while
+    // warps 1.. do the weighted sum and the norm, synchronized by a named barrier.
+    __shared__ float pre[4];
+    if (threadIdx.x < 4) {
+        const u32 h = threadIdx.x;
+        pre[h] = 1.0f / (1.0f + ds4_expf(-(a.mix[h] * a.scale[0] + a.base[h]))) + a.eps_hc;
+    }
     __syncthreads();
-    if (warp == 0) hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps_hc);
-    __syncthreads();
-    const u32 ne = a.n_embd;
-    const float w0 = a.split[0], w1 = a.split[1], w2 = a.split[2], w3 = a.split[3];
-    for (u32 d = threadIdx.x; d < ne; d += blockDim.x) {
+    if (warp == 0) {
+        hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps_hc);
+        return;
+    }
+    const u32 ne = a.n_embd, t = threadIdx.x - 32, nt = blockDim.x - 32;
+    for (u32 d = t; d < ne; d += nt) {
         float acc = 0.0f;
-        acc += a.x[d] * w0;
-        acc += a.x[ne + d] * w1;
-        acc += a.x[2 * ne + d] * w2;
-        acc += a.x[3 * ne + d] * w3;
+        acc += a.x[d] * pre[0];
+        acc += a.x[ne + d] * pre[1];
+        acc += a.x[2 * ne + d] * pre[2];
+        acc += a.x[3 * ne + d] * pre[3];
         cur[d] = acc;
         a.cur[d] = acc;
     }
-    __syncthreads();
-    const float s2 = rms_scale_block(cur, ne, a.eps_norm);
+    named_barrier(1, nt);
+    const float s2 = rms_scale_warps(cur, ne, a.eps_norm, 1, nt);
     if (a.xq) {
-        for (u32 blk = warp; blk < ne / 32; blk += nw) {
+        for (u32 blk = warp - 1; blk < ne / 32; blk += nw - 1) {
             const u32 i = blk * 32 + lane;
             const float v = cur[i] * s2;
             const float o = v * a.norm_w[i];
@@ -164,10 +203,10 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(DS4_ARGS, const HcPreA
             quantize_q8_0_warp(o, a.xq, a.xd, blk, lane);
         }
     } else {
-        for (u32 i = threadIdx.x; i < ne; i += blockDim.x) {
+        for (u32 i = t; i < ne; i += nt) {
             const float v = cur[i] * s2;
             a.norm[i] = v * a.norm_w[i];
         }
     }
-    if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
+    if (t == 0) a.tickets[a.ticket] = 0;
 }
