@@ -1,0 +1,243 @@
+// Token sampling on the device: the definition is in src/sample.rs (module docs), and this kernel
+// picks the same token bit for bit, so only the 4-byte id goes back to the host. One block of
+// DS4_SAMPLE_THREADS threads over the whole vocabulary (launched after the token, not part of it).
+//
+// Greedy: a block argmax. Otherwise: a radix select finds the K-th largest order key among the
+// finite logits, the candidates above it plus the lowest ids equal to it are gathered, sorted in
+// shared memory by (logit descending, id ascending), weighted with ds4_expf in parallel, and the
+// sequential parts (the sum, the draw) run on one thread in the host's order.
+#define DS4_SAMPLE_THREADS 1024
+
+// A float's position in f32::total_cmp order, as an unsigned key: negative values with every
+// bit flipped, the others with the sign bit set.
+__device__ __forceinline__ u32 sample_order_key(float v) {
+    const u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ bool sample_is_finite(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Block-wide exclusive prefix sum of `v` in thread order; every thread gets the total too.
+// `part` holds one word per warp. Every thread of the block must call it.
+__device__ u32 sample_block_scan(u32 v, u32* part, u32* total) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u32 x = v;
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();  // an earlier call may still be reading `part`
+    if (lane == 31) part[warp] = x;
+    __syncthreads();
+    u32 before = 0, all = 0;
+    for (u32 w = 0; w < nw; w++) {
+        if (w < warp) before += part[w];
+        all += part[w];
+    }
+    *total = all;
+    return before + x - v;
+}
+
+// Block-wide minimum; every thread gets it. Every thread of the block must call it.
+__device__ u32 sample_block_min(u32 v, u32* part) {
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u32 m = part[0];
+    for (u32 w = 1; w < (blockDim.x >> 5); w++) m = min(m, part[w]);
+    return m;
+}
+
+extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS4_ARGS, const SampleTokenArgs a) {
+    DS4_GUARD;
+    const float* logits = a.logits;
+    const u32 n = a.n, t = threadIdx.x, nt = blockDim.x, lane = t & 31, warp = t >> 5, nw = nt >> 5;
+    __shared__ u32 part[32];
+    __shared__ u32 hist[256];
+    __shared__ u32 s_k, s_digit, s_above, s_count, s_slot;
+    // Candidates as (order key << 32) | ~id: descending order is (logit desc, id asc).
+    __shared__ u64 cand[DS4_SAMPLE_THREADS];
+    __shared__ float prob[DS4_SAMPLE_THREADS];
+    __shared__ float prefix[DS4_SAMPLE_THREADS];
+
+    const bool greedy = !(a.temperature > 0.0f);
+    // K, the K-th largest order key among the finite logits (the threshold), how many keys
+    // equal to it are candidates, and how many there are.
+    u32 k = 0, threshold = 0, need_eq = 0, n_eq = 0;
+    if (!greedy) {
+        // Radix select, 8 bits at a time from the top. `threshold`/`mask` hold the digits found
+        // so far; `remaining` counts the candidates still to take among the keys matching them.
+        u32 mask = 0, remaining = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (u32 i = t; i < 256; i += nt) hist[i] = 0;
+            __syncthreads();
+            // Whole warps step together, so lanes with the same digit add with one atomic.
+            for (u32 base = 0; base < n; base += nt) {
+                const u32 i = base + t;
+                u32 digit = 256;
+                if (i < n) {
+                    const float x = logits[i];
+                    const u32 key = sample_order_key(x);
+                    if (sample_is_finite(x) && (key & mask) == threshold) digit = (key >> shift) & 255;
+                }
+                const u32 peers = __match_any_sync(0xffffffffu, digit);
+                if (digit < 256 && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[digit], (u32)__popc(peers));
+            }
+            __syncthreads();
+            if (t == 0) {
+                if (shift == 24) {
+                    // The first pass counts every finite logit, so K is known now.
+                    u32 finite = 0;
+                    for (u32 d = 0; d < 256; d++) finite += hist[d];
+                    s_k = min(a.top_k, finite);
+                }
+                // The digit at which the count from the top reaches the candidates wanted.
+                const u32 want = shift == 24 ? s_k : remaining;
+                u32 above = 0, d = 255;
+                while (d > 0 && above + hist[d] < want) {
+                    above += hist[d];
+                    d--;
+                }
+                s_digit = d;
+                s_above = above;
+                s_count = hist[d];
+            }
+            __syncthreads();
+            if (shift == 24) {
+                k = s_k;
+                remaining = k;
+            }
+            threshold |= s_digit << shift;
+            mask |= 255u << shift;
+            remaining -= s_above;
+            n_eq = s_count;  // after the last pass: the keys equal to the threshold
+            __syncthreads();  // the shared values and hist are rewritten by the next pass
+        }
+        need_eq = remaining;
+    }
+
+    if (greedy || k == 0) {
+        // The argmax (also when no logit is finite): largest by '>', lowest id on ties, 0 when
+        // nothing is above -inf.
+        float v = __int_as_float(0xff800000);
+        int idx = 0;
+        for (u32 i = t; i < n; i += nt) {
+            const float x = logits[i];
+            if (x > v) {
+                v = x;
+                idx = (int)i;
+            }
+        }
+        warp_argmax(&v, &idx);
+        __shared__ float best_v[32];
+        __shared__ int best_i[32];
+        if (lane == 0) {
+            best_v[warp] = v;
+            best_i[warp] = idx;
+        }
+        __syncthreads();
+        if (t == 0) {
+            float bv = best_v[0];
+            int bi = best_i[0];
+            for (u32 w = 1; w < nw; w++) {
+                if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) {
+                    bv = best_v[w];
+                    bi = best_i[w];
+                }
+            }
+            *a.out = (u32)bi;
+        }
+        return;
+    }
+
+    // Gather the K candidates: every key above the threshold and the `need_eq` lowest ids equal
+    // to it. Slots are taken in any order; the sort below makes the result unique.
+    __syncthreads();
+    if (t == 0) s_slot = 0;
+    __syncthreads();
+    u32 eq_before = 0;  // keys equal to the threshold in earlier tiles
+    for (u32 base = 0; base < n; base += nt) {
+        const u32 i = base + t;
+        bool above = false, equal = false;
+        u32 key = 0;
+        if (i < n) {
+            const float x = logits[i];
+            key = sample_order_key(x);
+            if (sample_is_finite(x)) {
+                above = key > threshold;
+                equal = key == threshold;
+            }
+        }
+        bool take = above;
+        if (n_eq == need_eq) {
+            // All the equal keys are kept: no ranking needed (the common case).
+            take |= equal;
+        } else {
+            u32 tile_eq;
+            const u32 rank = sample_block_scan(equal ? 1u : 0u, part, &tile_eq);
+            take |= equal && eq_before + rank < need_eq;
+            eq_before += tile_eq;
+        }
+        if (take) cand[atomicAdd(&s_slot, 1u)] = ((u64)key << 32) | (u64)(~i);
+    }
+    __syncthreads();
+
+    // Bitonic sort, descending, over the next power of two >= K; the padding (0) sorts last.
+    u32 width = 1;
+    while (width < k) width <<= 1;
+    for (u32 i = k + t; i < width; i += nt) cand[i] = 0;
+    __syncthreads();
+    for (u32 size = 2; size <= width; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            for (u32 i = t; i < width; i += nt) {
+                const u32 j = i ^ stride;
+                if (j > i) {
+                    const u64 x = cand[i], y = cand[j];
+                    const bool descending = (i & size) == 0;
+                    if (descending ? x < y : x > y) {
+                        cand[i] = y;
+                        cand[j] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+
+    // Weights, each on its own thread (the same ops as the host, so the same bits).
+    const float max = logits[~(u32)cand[0]];
+    for (u32 c = t; c < k; c += nt) prob[c] = ds4_expf((logits[~(u32)cand[c]] - max) / a.temperature);
+    __syncthreads();
+    if (t == 0) {
+        float s = 0.0f;
+        for (u32 c = 0; c < k; c++) {
+            s += prob[c];
+            prefix[c] = s;
+        }
+    }
+    __syncthreads();
+    // The cut: kept = min(first c > 0 under min-p, first c whose prefix reaches top-p, plus 1).
+    const float sum = prefix[k - 1];
+    const float min_prob = prob[0] / sum * a.min_p;
+    u32 cut = k;
+    for (u32 c = t; c < k; c += nt) {
+        if (c > 0 && prob[c] / sum < min_prob) cut = min(cut, c);
+        if (prefix[c] / sum >= a.top_p) cut = min(cut, c + 1);
+    }
+    const u32 kept = sample_block_min(cut, part);
+    if (t == 0) {
+        float r = a.r * prefix[kept - 1];
+        u32 pick = kept - 1;
+        for (u32 c = 0; c < kept; c++) {
+            r -= prob[c];
+            if (r <= 0.0f) {
+                pick = c;
+                break;
+            }
+        }
+        *a.out = ~(u32)cand[pick];
+    }
+}
