@@ -2,10 +2,12 @@
 // picks the same token bit for bit, so only the 4-byte id goes back to the host. One block of
 // DS4_SAMPLE_THREADS threads over the whole vocabulary (launched after the token, not part of it).
 //
-// Greedy: a block argmax. Otherwise: a radix select finds the K-th largest order key among the
-// finite logits, the candidates above it plus the lowest ids equal to it are gathered, sorted in
-// shared memory by (logit descending, id ascending), weighted with ds4_expf in parallel, and the
-// sequential parts (the sum, the draw) run on one thread in the host's order.
+// Greedy: a block argmax, one pass over the logits. Otherwise five passes: a radix select (four,
+// 8 bits each) finds the K-th largest order key among the finite logits, then the candidates
+// above it plus the lowest ids equal to it are gathered; they are sorted in shared memory by
+// (logit descending, id ascending), weighted with ds4_expf in parallel, and the sequential parts
+// (the sum and prefix sums, the draw) run on one thread in the host's order. The logits were just
+// written by the token, so the passes read them from L2.
 #define DS4_SAMPLE_THREADS 1024
 
 // A float's position in f32::total_cmp order, as an unsigned key: negative values with every
@@ -17,6 +19,20 @@ __device__ __forceinline__ u32 sample_order_key(float v) {
 
 __device__ __forceinline__ bool sample_is_finite(float v) {
     return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Each thread takes 8 consecutive logits of a tile (two 16-byte loads, so that enough bytes are
+// in flight for one block to stream the vocabulary): ids first .. first + 7. Past the end: NaN,
+// which is never a candidate and never the argmax.
+#define SAMPLE_PER_THREAD 8
+__device__ __forceinline__ void sample_load(const float* logits, u32 n, u32 first, float* v) {
+    if (first + SAMPLE_PER_THREAD <= n && ((u64)logits & 15) == 0) {
+        const float4 x = *(const float4*)(logits + first), y = *(const float4*)(logits + first + 4);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+        v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+    } else {
+        for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) v[j] = first + j < n ? logits[first + j] : __int_as_float(0x7fc00000);
+    }
 }
 
 // Block-wide exclusive prefix sum of `v` in thread order; every thread gets the total too.
@@ -55,6 +71,7 @@ extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS
     DS4_GUARD;
     const float* logits = a.logits;
     const u32 n = a.n, t = threadIdx.x, nt = blockDim.x, lane = t & 31, warp = t >> 5, nw = nt >> 5;
+    const u32 tile = nt * SAMPLE_PER_THREAD;
     __shared__ u32 part[32];
     __shared__ u32 hist[256];
     __shared__ u32 s_k, s_digit, s_above, s_count, s_slot;
@@ -75,16 +92,17 @@ extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS
             for (u32 i = t; i < 256; i += nt) hist[i] = 0;
             __syncthreads();
             // Whole warps step together, so lanes with the same digit add with one atomic.
-            for (u32 base = 0; base < n; base += nt) {
-                const u32 i = base + t;
-                u32 digit = 256;
-                if (i < n) {
-                    const float x = logits[i];
-                    const u32 key = sample_order_key(x);
-                    if (sample_is_finite(x) && (key & mask) == threshold) digit = (key >> shift) & 255;
+            for (u32 base = 0; base < n; base += tile) {
+                float v[SAMPLE_PER_THREAD];
+                sample_load(logits, n, base + t * SAMPLE_PER_THREAD, v);
+#pragma unroll
+                for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+                    const u32 key = sample_order_key(v[j]);
+                    const u32 digit =
+                        sample_is_finite(v[j]) && (key & mask) == threshold ? (key >> shift) & 255 : 256;
+                    const u32 peers = __match_any_sync(0xffffffffu, digit);
+                    if (digit < 256 && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[digit], (u32)__popc(peers));
                 }
-                const u32 peers = __match_any_sync(0xffffffffu, digit);
-                if (digit < 256 && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[digit], (u32)__popc(peers));
             }
             __syncthreads();
             if (t == 0) {
@@ -124,11 +142,16 @@ extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS
         // nothing is above -inf.
         float v = __int_as_float(0xff800000);
         int idx = 0;
-        for (u32 i = t; i < n; i += nt) {
-            const float x = logits[i];
-            if (x > v) {
-                v = x;
-                idx = (int)i;
+        for (u32 base = 0; base < n; base += tile) {
+            const u32 first = base + t * SAMPLE_PER_THREAD;
+            float x[SAMPLE_PER_THREAD];
+            sample_load(logits, n, first, x);
+#pragma unroll
+            for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+                if (x[j] > v) {
+                    v = x[j];
+                    idx = (int)(first + j);
+                }
             }
         }
         warp_argmax(&v, &idx);
@@ -159,29 +182,29 @@ extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS
     if (t == 0) s_slot = 0;
     __syncthreads();
     u32 eq_before = 0;  // keys equal to the threshold in earlier tiles
-    for (u32 base = 0; base < n; base += nt) {
-        const u32 i = base + t;
-        bool above = false, equal = false;
-        u32 key = 0;
-        if (i < n) {
-            const float x = logits[i];
-            key = sample_order_key(x);
-            if (sample_is_finite(x)) {
-                above = key > threshold;
-                equal = key == threshold;
+    for (u32 base = 0; base < n; base += tile) {
+        const u32 first = base + t * SAMPLE_PER_THREAD;
+        float v[SAMPLE_PER_THREAD];
+        sample_load(logits, n, first, v);
+        // This thread's keys equal to the threshold come after `rank` others in id order.
+        u32 rank = 0, mine = 0;
+        if (n_eq != need_eq) {
+            // Only some of the equal keys are kept: rank them (all kept is the common case).
+#pragma unroll
+            for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+                mine += sample_is_finite(v[j]) && sample_order_key(v[j]) == threshold;
             }
-        }
-        bool take = above;
-        if (n_eq == need_eq) {
-            // All the equal keys are kept: no ranking needed (the common case).
-            take |= equal;
-        } else {
             u32 tile_eq;
-            const u32 rank = sample_block_scan(equal ? 1u : 0u, part, &tile_eq);
-            take |= equal && eq_before + rank < need_eq;
+            rank = eq_before + sample_block_scan(mine, part, &tile_eq);
             eq_before += tile_eq;
         }
-        if (take) cand[atomicAdd(&s_slot, 1u)] = ((u64)key << 32) | (u64)(~i);
+#pragma unroll
+        for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+            const u32 key = sample_order_key(v[j]);
+            if (!sample_is_finite(v[j]) || key < threshold) continue;
+            if (key == threshold && n_eq != need_eq && rank++ >= need_eq) continue;
+            cand[atomicAdd(&s_slot, 1u)] = ((u64)key << 32) | (u64)(~(first + j));
+        }
     }
     __syncthreads();
 
