@@ -1,6 +1,7 @@
 // Token sampling on the device: the definition is in src/sample.rs (module docs), and this kernel
-// picks the same token bit for bit, so only the 4-byte id goes back to the host. One block of
-// DS4_SAMPLE_THREADS threads over the whole vocabulary (launched after the token, not part of it).
+// picks the same token bit for bit, so only the 4-byte id goes back to the host. One block (any
+// multiple of 32 threads up to 1024; the host launches 1024) over the whole vocabulary, launched
+// after the token, not part of it.
 //
 // Greedy: a block argmax, one pass over the logits. Otherwise five passes: a radix select (four,
 // 8 bits each) finds the K-th largest order key among the finite logits, then the candidates
@@ -8,7 +9,8 @@
 // (logit descending, id ascending), weighted with ds4_expf in parallel, and the sequential parts
 // (the sum and prefix sums, the draw) run on one thread in the host's order. The logits were just
 // written by the token, so the passes read them from L2.
-#define DS4_SAMPLE_THREADS 1024
+// The most candidates: sample::CANDIDATE_CAP (tests/cuda.rs checks that they agree).
+#define DS4_SAMPLE_CAP 1024
 
 // A float's position in f32::total_cmp order, as an unsigned key: negative values with every
 // bit flipped, the others with the sign bit set.
@@ -67,7 +69,8 @@ __device__ u32 sample_block_min(u32 v, u32* part) {
     return m;
 }
 
-extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS4_ARGS, const SampleTokenArgs a) {
+// 32 to 40 registers a thread (ptxas for sm_89, sm_90, sm_121): a block of 1024 fits.
+extern "C" __global__ void sample_token(DS4_ARGS, const SampleTokenArgs a) {
     DS4_GUARD;
     const float* logits = a.logits;
     const u32 n = a.n, t = threadIdx.x, nt = blockDim.x, lane = t & 31, warp = t >> 5, nw = nt >> 5;
@@ -76,9 +79,9 @@ extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS
     __shared__ u32 hist[256];
     __shared__ u32 s_k, s_digit, s_above, s_count, s_slot;
     // Candidates as (order key << 32) | ~id: descending order is (logit desc, id asc).
-    __shared__ u64 cand[DS4_SAMPLE_THREADS];
-    __shared__ float prob[DS4_SAMPLE_THREADS];
-    __shared__ float prefix[DS4_SAMPLE_THREADS];
+    __shared__ u64 cand[DS4_SAMPLE_CAP];
+    __shared__ float prob[DS4_SAMPLE_CAP];
+    __shared__ float prefix[DS4_SAMPLE_CAP];
 
     const bool greedy = !(a.temperature > 0.0f);
     // K, the K-th largest order key among the finite logits (the threshold), how many keys
@@ -110,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(DS4_SAMPLE_THREADS) sample_token(DS
                     // The first pass counts every finite logit, so K is known now.
                     u32 finite = 0;
                     for (u32 d = 0; d < 256; d++) finite += hist[d];
-                    s_k = min(a.top_k, finite);
+                    s_k = min(min(a.top_k, (u32)DS4_SAMPLE_CAP), finite);
                 }
                 // The digit at which the count from the top reaches the candidates wanted.
                 const u32 want = shift == 24 ? s_k : remaining;

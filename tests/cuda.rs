@@ -99,6 +99,14 @@ fn a_failed_capture_or_graph_launch_loses_no_token() {
     }
 }
 
+/// The sampling kernel holds as many candidates as the definition weighs (no GPU needed).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_sampling_kernel_holds_the_candidate_cap() {
+    let cap = format!("#define DS4_SAMPLE_CAP {}\n", ds4::sample::CANDIDATE_CAP);
+    assert!(ds4::backends::cuda::kernel_source().contains(&cap), "kernels/sample.cu: {cap}");
+}
+
 /// Logit vectors of `n` tokens that stress the sampler: random, peaked, heavy ties, all equal,
 /// NaN and infinities sprinkled in, nothing finite, huge and tiny magnitudes, signed zeros.
 fn sampler_logits(n: usize) -> Vec<(&'static str, Vec<f32>)> {

@@ -80,10 +80,8 @@ mod imp {
 
     const ALIGN: usize = 256;
 
-    /// Threads of the sampling kernel's one block (`DS4_SAMPLE_THREADS` in kernels/sample.cu): it
-    /// sorts up to this many candidates, one per thread.
+    /// Threads of the sampling kernel's one block (kernels/sample.cu).
     const SAMPLE_THREADS: u32 = 1024;
-    const _: () = assert!(crate::sample::CANDIDATE_CAP == SAMPLE_THREADS as usize);
 
     fn err(msg: impl Into<String>) -> BackendError {
         BackendError::new("cuda", msg)
