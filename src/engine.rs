@@ -205,7 +205,9 @@ pub struct GenParams {
     /// Keep going past the end-of-sentence token.
     pub ignore_eos: bool,
     /// Report the logits after every fed token ([`Event::Logits`]); this feeds the prompt token by
-    /// token and never reuses a prefix, so every row is there.
+    /// token and never reuses a prefix, so every row is there, and samples on the host from the
+    /// logits it read. Without it nothing but the sampled ids comes back from a backend that
+    /// samples on the device.
     pub logits: bool,
 }
 
