@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::model::Model;
 use crate::recorder::{Buf, Program, StepParams};
+use crate::sample::DeviceSample;
 
 /// A backend failure. The message says what failed and, where it can, why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -48,6 +49,13 @@ pub trait Executable {
     fn profile(&mut self, params: &StepParams) -> Result<Vec<(String, f64)>, BackendError>;
     /// Overwrites a buffer (f32 values; I32 buffers take them as integers). For diagnostics.
     fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError>;
+    /// Samples the token that follows the last step on the device and returns only its id, where
+    /// the backend can; `Ok(None)` means it does not, and the caller reads the logits and samples
+    /// on the host with [`crate::sample::pick`], which gives the same token for the same `s`.
+    fn sample(&mut self, s: &DeviceSample) -> Result<Option<u32>, BackendError> {
+        let _ = s;
+        Ok(None)
+    }
     /// Copies the logits of the last step into `out` (resized to the vocabulary).
     fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError>;
     /// Reads any buffer as f32 values (I32 buffers are converted). For tests and diagnostics.

@@ -205,7 +205,9 @@ pub struct GenParams {
     /// Keep going past the end-of-sentence token.
     pub ignore_eos: bool,
     /// Report the logits after every fed token ([`Event::Logits`]); this feeds the prompt token by
-    /// token and never reuses a prefix, so every row is there.
+    /// token and never reuses a prefix, so every row is there, and samples on the host from the
+    /// logits it read. Without it nothing but the sampled ids comes back from a backend that
+    /// samples on the device.
     pub logits: bool,
 }
 
@@ -393,32 +395,26 @@ impl Engine {
         };
         let mut fed = if reused > 0 { history } else { Vec::with_capacity(prompt.len()) };
         let mut stopped = false;
-        let mut logits = if suffix.is_empty() {
-            // The whole prompt is held already: its last token's logits are the session's.
-            self.session.logits().to_vec()
-        } else if p.logits {
-            let mut l = Vec::new();
+        // A prompt held whole needs nothing fed: the session's state is already after its last
+        // token, and sampling starts from there.
+        if p.logits {
             for (i, &t) in suffix.iter().enumerate() {
-                l = self.session.eval(t)?.to_vec();
+                let l = self.session.eval(t)?;
                 fed.push(t);
-                if !(on(Event::Logits(&l)) && on(Event::Prefill { done: i + 1, total: suffix.len() })) {
+                if !(on(Event::Logits(l)) && on(Event::Prefill { done: i + 1, total: suffix.len() })) {
                     stopped = true;
                     break;
                 }
             }
-            l
         } else {
             // In chunks: a caller that asks to stop (a client gone) stops at the end of the chunk,
-            // where the state still matches `fed`.
+            // where the state still matches `fed`. No logits come back: the first token is
+            // sampled after the prompt like every other.
             let total = suffix.len();
-            let mut l = Vec::new();
             for (n, chunk) in suffix.chunks(PREFILL_CHUNK).enumerate() {
                 let start = n * PREFILL_CHUNK;
                 let mut go = true;
-                l = self
-                    .session
-                    .prefill(chunk, |done| go &= on(Event::Prefill { done: start + done, total }))?
-                    .to_vec();
+                self.session.feed(chunk, |done| go &= on(Event::Prefill { done: start + done, total }))?;
                 fed.extend_from_slice(chunk);
                 if !go {
                     stats.prefilled = start + chunk.len();
@@ -426,8 +422,7 @@ impl Engine {
                     break;
                 }
             }
-            l
-        };
+        }
         stats.prefill_time = t0.elapsed();
         if stopped {
             self.history = fed;
@@ -443,9 +438,11 @@ impl Engine {
         let t_decode = Instant::now();
         let mut unfed = None;
         for i in 0..n_gen {
+            // Sampled on the device where the backend can (only the id comes back), else on the
+            // host from the logits; with `p.logits` they were read already and the host samples.
             let next = match &self.forced {
                 Some(ids) => ids.get(i).copied().unwrap_or(eos),
-                None => sampler.sample(&logits),
+                None => self.session.sample(&mut sampler)?,
             };
             unfed = Some(next);
             stats.generated += 1;
@@ -462,13 +459,20 @@ impl Engine {
                 break;
             }
             if i + 1 < n_gen {
-                logits = self.session.eval(next)?.to_vec();
+                let logits = if p.logits {
+                    Some(self.session.eval(next)?)
+                } else {
+                    self.session.feed(&[next], |_| {})?;
+                    None
+                };
                 fed.push(next);
                 unfed = None;
                 stats.decoded += 1;
-                if p.logits && !on(Event::Logits(&logits)) {
-                    stats.stop = StopReason::Callback;
-                    break;
+                if let Some(l) = logits {
+                    if !on(Event::Logits(l)) {
+                        stats.stop = StopReason::Callback;
+                        break;
+                    }
                 }
             }
         }

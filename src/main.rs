@@ -40,7 +40,7 @@ enum Cmd {
     Serve(ServeArgs),
     /// Compare one backend's logits against another backend or a reference file.
     Check(CheckArgs),
-    /// Measure prefill and decode speed.
+    /// Measure prefill and decode speed (greedy decode, sampled as `run` samples).
     Bench(BenchArgs),
     /// Describe a model file.
     Inspect {
@@ -309,7 +309,7 @@ struct CheckArgs {
 struct BenchArgs {
     #[command(flatten)]
     m: ModelArgs,
-    /// Prompt tokens to prefill before timing decode (at least 1: decode starts from its logits).
+    /// Prompt tokens to prefill before timing decode (at least 1: decode starts from its last token).
     #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     prefill: usize,
     /// Decode tokens to time (at least 1).
@@ -869,13 +869,16 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let (loaded, mut session, backend_label) = engine.into_parts();
     let cfg = &loaded.model.config;
     let prompt: Vec<u32> = (0..a.prefill).map(|i| ((i * 7919 + 13) % cfg.n_vocab) as u32).collect();
+    // Greedy, as `ds4 run` decodes: sampled on the device where the backend can, so a GPU token
+    // sends back its 4-byte id, not the logits.
+    let mut greedy = ds4::sample::Sampler::new(SamplerConfig::default());
     let t0 = Instant::now();
-    let mut logits = session.prefill(&prompt, |_| {})?.to_vec();
+    session.feed(&prompt, |_| {})?;
+    let mut next = session.sample(&mut greedy)?;
     let prefill_time = t0.elapsed();
     let t1 = Instant::now();
     for _ in 0..a.tokens {
-        let next = ds4::sample::argmax(&logits);
-        logits = session.eval(next)?.to_vec();
+        next = session.eval_sampled(next, &mut greedy)?;
     }
     let decode_time = t1.elapsed();
     for w in session.take_warnings() {
@@ -908,7 +911,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         out!("nodes      {n} kernel launches (graph nodes) per token");
     }
     if a.profile {
-        let params = ds4::recorder::StepParams::new(ds4::sample::argmax(&logits), session.pos() as u32);
+        let params = ds4::recorder::StepParams::new(next, session.pos() as u32);
         let prof = session.executable().profile(&params)?;
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
         out!("profile    one token, eager, {:.1} us in total:", total);

@@ -8,6 +8,7 @@ use crate::decode::{self, Caps};
 use crate::model::Model;
 use crate::numerics::Numerics;
 use crate::recorder::{Program, StepParams};
+use crate::sample::Sampler;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -15,6 +16,8 @@ pub enum SessionError {
     ContextFull { needed: usize, remaining: usize, ctx: usize },
     #[error("token id {token} is outside the vocabulary ({n_vocab} tokens)")]
     BadToken { token: u32, n_vocab: usize },
+    #[error("no token has been fed yet: there is nothing to sample from")]
+    NothingFed,
     #[error("context length must be between 1 and {max}, got {ctx}")]
     BadContext { ctx: usize, max: usize },
     #[error("recording the token program failed: {0}")]
@@ -30,6 +33,7 @@ pub struct Session {
     exe: Box<dyn Executable>,
     caps: Caps,
     pos: u32,
+    /// The logits after the last token fed, when they were read back; empty otherwise.
     logits: Vec<f32>,
 }
 
@@ -100,9 +104,45 @@ impl Session {
 
     /// Feeds one token without reading the logits back.
     fn step(&mut self, token: u32) -> Result<(), SessionError> {
+        self.logits.clear();
         self.exe.step(&StepParams::new(token, self.pos))?;
         self.pos += 1;
         Ok(())
+    }
+
+    /// Feeds tokens without reading any logits back; `progress(done)` is called after each token.
+    /// Checks that they all fit before running anything. Follow with [`Session::sample`].
+    pub fn feed(&mut self, tokens: &[u32], mut progress: impl FnMut(usize)) -> Result<(), SessionError> {
+        self.check(tokens)?;
+        for (i, &t) in tokens.iter().enumerate() {
+            self.step(t)?;
+            progress(i + 1);
+        }
+        Ok(())
+    }
+
+    /// Samples the token that follows the last one fed. On a backend that samples on the device
+    /// only the id comes back; otherwise (or when this position's logits were read already) the
+    /// host samples from the logits. Either way the same sampler state gives the same token
+    /// (`crate::sample`'s definition), and the sampler advances the same way.
+    pub fn sample(&mut self, sampler: &mut Sampler) -> Result<u32, SessionError> {
+        if self.pos == 0 {
+            return Err(SessionError::NothingFed);
+        }
+        let draw = sampler.draw();
+        if self.logits.is_empty() {
+            if let Some(id) = self.exe.sample(&draw)? {
+                return Ok(id);
+            }
+            self.exe.read_logits(&mut self.logits)?;
+        }
+        Ok(sampler.pick(&self.logits, &draw))
+    }
+
+    /// Feeds one token and samples the next ([`Session::feed`], then [`Session::sample`]).
+    pub fn eval_sampled(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, SessionError> {
+        self.feed(&[token], |_| {})?;
+        self.sample(sampler)
     }
 
     /// Feeds one token at the next position and returns the logits that follow it.
@@ -115,13 +155,9 @@ impl Session {
 
     /// Feeds a prompt token by token; `progress(done)` is called after each token. Checks that
     /// the whole prompt fits before running anything. Returns the logits after the last token.
-    pub fn prefill(&mut self, tokens: &[u32], mut progress: impl FnMut(usize)) -> Result<&[f32], SessionError> {
-        self.check(tokens)?;
-        for (i, &t) in tokens.iter().enumerate() {
-            self.step(t)?;
-            progress(i + 1);
-        }
-        if !tokens.is_empty() {
+    pub fn prefill(&mut self, tokens: &[u32], progress: impl FnMut(usize)) -> Result<&[f32], SessionError> {
+        self.feed(tokens, progress)?;
+        if self.pos > 0 && self.logits.is_empty() {
             self.exe.read_logits(&mut self.logits)?;
         }
         Ok(&self.logits)
@@ -132,7 +168,9 @@ impl Session {
         self.exe.take_warnings()
     }
 
-    /// The logits after the last token fed.
+    /// The logits after the last token fed, if they were read back ([`Session::eval`],
+    /// [`Session::prefill`], or [`Session::sample`] on a backend that samples on the host);
+    /// empty otherwise.
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }

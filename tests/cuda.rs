@@ -98,3 +98,138 @@ fn a_failed_capture_or_graph_launch_loses_no_token() {
         assert_eq!(warnings.len(), 1, "{f:?}: {warnings:?}");
     }
 }
+
+/// The sampling kernel holds as many candidates as the definition weighs (no GPU needed).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_sampling_kernel_holds_the_candidate_cap() {
+    let cap = format!("#define DS4_SAMPLE_CAP {}\n", ds4::sample::CANDIDATE_CAP);
+    assert!(ds4::backends::cuda::kernel_source().contains(&cap), "kernels/sample.cu: {cap}");
+}
+
+/// Logit vectors of `n` tokens that stress the sampler: random, peaked, heavy ties, all equal,
+/// NaN and infinities sprinkled in, nothing finite, huge and tiny magnitudes, signed zeros.
+fn sampler_logits(n: usize) -> Vec<(&'static str, Vec<f32>)> {
+    let mut state = 0x1234_5678_9abc_def1u64 ^ n as u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let mut v = Vec::new();
+    v.push(("random", (0..n).map(|_| next() * 20.0 - 10.0).collect::<Vec<f32>>()));
+    let mut peaked: Vec<f32> = (0..n).map(|_| next() * 4.0 - 2.0).collect();
+    peaked[n / 3] = 12.0;
+    peaked[n / 2] = 11.5;
+    v.push(("peaked", peaked));
+    v.push(("eight levels", (0..n).map(|_| (next() * 8.0).floor() * 0.5).collect()));
+    v.push(("two levels", (0..n).map(|_| if next() < 0.01 { 3.0 } else { 1.0 }).collect()));
+    v.push(("all equal", vec![0.25; n]));
+    let mut specials: Vec<f32> = (0..n).map(|_| next() * 6.0 - 3.0).collect();
+    for i in (0..n).step_by(37) {
+        specials[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0][i % 5];
+    }
+    v.push(("nan and inf", specials));
+    v.push(("all -inf", vec![f32::NEG_INFINITY; n]));
+    v.push(("all nan", vec![f32::NAN; n]));
+    let mut one = vec![f32::NAN; n];
+    one[n - 1] = -5.0;
+    v.push(("one finite", one));
+    v.push(("huge", (0..n).map(|_| (next() * 2.0 - 1.0) * 3.4e38).collect()));
+    v.push(("tiny", (0..n).map(|_| (next() * 2.0 - 1.0) * 1e-40).collect()));
+    v.push(("signed zeros", (0..n).map(|i| if i % 2 == 0 { 0.0 } else { -0.0 }).collect()));
+    v
+}
+
+/// Device sampling picks the host's token for the same draw: many logit vectors (Flash's
+/// 129,280-token vocabulary and a small one), greedy and every combination of temperature,
+/// top-k (the cap and beyond), top-p, min-p, over several seeds and the extreme draws.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn device_sampling_picks_the_hosts_token() {
+    use ds4::sample::{pick, DeviceSample, Sampler, SamplerConfig};
+    use ds4::synth::Preset;
+    let gpu = cuda(false);
+    for n_vocab in [512usize, 129_280] {
+        // The tiny shape with this vocabulary, its weights drawn on the device: only its logits
+        // buffer is used.
+        let preset = Preset { n_vocab, ..Preset::tiny() };
+        let model = ds4::synth::device_model(&preset, 4).unwrap();
+        let mut session = Session::new(model, gpu.as_ref(), 8).unwrap();
+        let logits_buf = session.program().logits();
+        let exe = session.executable();
+        let mut draws = vec![DeviceSample::GREEDY];
+        for temperature in [0.3f32, 0.8, 1.5] {
+            for top_k in [0usize, 1, 40, 1024, 5000] {
+                for top_p in [1.0f32, 0.9, 0.3] {
+                    for min_p in [0.0f32, 0.05] {
+                        for seed in [1u64, 42, 7777] {
+                            let cfg = SamplerConfig { temperature, top_k, top_p, min_p, seed };
+                            let mut s = Sampler::new(cfg);
+                            draws.push(s.draw());
+                            draws.push(s.draw());
+                        }
+                        let d = Sampler::new(SamplerConfig { temperature, top_k, top_p, min_p, seed: 0 }).draw();
+                        draws.push(DeviceSample { r: 0.0, ..d });
+                        draws.push(DeviceSample { r: 1.0 - f32::EPSILON / 2.0, ..d });
+                    }
+                }
+            }
+        }
+        let mut checked = 0;
+        for (name, logits) in sampler_logits(n_vocab) {
+            exe.write_buffer(logits_buf, &logits).unwrap();
+            for d in &draws {
+                let got = exe.sample(d).unwrap().expect("the cuda backend samples on the device");
+                let want = pick(&logits, d);
+                assert_eq!(got, want, "vocab {n_vocab}, logits '{name}', {d:?}");
+                checked += 1;
+            }
+        }
+        eprintln!("vocab {n_vocab}: {checked} device samples equal the host's");
+    }
+}
+
+/// `generate` with seeded sampling on the CUDA backend (device sampling, graphs on and off, and
+/// the logits path) gives the canonical CPU's tokens: the logits are bit-identical, so the
+/// sampled ids must be too.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn seeded_generation_on_cuda_gives_the_cpus_tokens() {
+    use ds4::backend::Backend;
+    use ds4::engine::{self, Engine, Event, GenParams, ModelSource};
+    use ds4::sample::SamplerConfig;
+    let generate = |backend: &dyn Backend, p: &GenParams| -> Vec<u32> {
+        let loaded = engine::load(&ModelSource::Preset("tiny".into())).unwrap();
+        let mut e = Engine::new(loaded, backend, 256, 0).unwrap();
+        let mut ids = Vec::new();
+        e.generate(&[0, 5, 9, 300], p, |ev| {
+            if let Event::Token { id, .. } = ev {
+                ids.push(id);
+            }
+            true
+        })
+        .unwrap();
+        assert!(e.take_warnings().is_empty(), "no fallback expected");
+        ids
+    };
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let configs = [
+        SamplerConfig::default(),
+        SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.05, seed: 7 },
+        SamplerConfig { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 1 },
+        SamplerConfig { temperature: 0.3, top_k: 5000, top_p: 0.3, min_p: 0.05, seed: 2 },
+    ];
+    for cfg in configs {
+        let p = GenParams { sampler: cfg, max_tokens: 32, ignore_eos: true, logits: false };
+        let want = generate(&cpu, &p);
+        assert_eq!(want.len(), 32);
+        for graphs in [false, true] {
+            let gpu = cuda(graphs);
+            assert_eq!(generate(gpu.as_ref(), &p), want, "{cfg:?}, graphs {graphs}: device sampling");
+            let with_logits = GenParams { logits: true, ..p };
+            assert_eq!(generate(gpu.as_ref(), &with_logits), want, "{cfg:?}, graphs {graphs}: host sampling");
+        }
+    }
+}

@@ -193,3 +193,123 @@ fn conversations_render_with_ds4s_template() {
     let earlier = tok.render_conversation("", &turns[..1], ThinkMode::NoThink);
     assert!(got.starts_with(&earlier));
 }
+
+/// A CPU backend that samples "on the device": its executable answers `sample` with
+/// `sample::pick` over its own logits, as a GPU kernel would, and counts the logits reads the
+/// session asks for. The engine must then give the tokens of host sampling, without reading
+/// any logits back.
+mod device_sampling {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use ds4::backend::{Backend, BackendError, Executable};
+    use ds4::backends::cpu::CpuBackend;
+    use ds4::model::Model;
+    use ds4::numerics::Numerics;
+    use ds4::recorder::{Buf, Program, StepParams};
+    use ds4::sample::DeviceSample;
+
+    pub struct Counts {
+        pub samples: AtomicUsize,
+        pub logit_reads: AtomicUsize,
+    }
+
+    pub struct SamplingCpu {
+        inner: CpuBackend,
+        pub counts: Arc<Counts>,
+    }
+
+    impl SamplingCpu {
+        pub fn new() -> SamplingCpu {
+            let counts = Counts { samples: AtomicUsize::new(0), logit_reads: AtomicUsize::new(0) };
+            SamplingCpu { inner: CpuBackend::with_numerics(1, Numerics::Ds4).unwrap(), counts: Arc::new(counts) }
+        }
+    }
+
+    struct Exe {
+        inner: Box<dyn Executable>,
+        counts: Arc<Counts>,
+        scratch: Vec<f32>,
+    }
+
+    impl Backend for SamplingCpu {
+        fn name(&self) -> &'static str {
+            "cpu"
+        }
+        fn numerics(&self) -> Numerics {
+            self.inner.numerics()
+        }
+        fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
+            let inner = self.inner.compile(program, model)?;
+            Ok(Box::new(Exe { inner, counts: self.counts.clone(), scratch: Vec::new() }))
+        }
+    }
+
+    impl Executable for Exe {
+        fn program(&self) -> &Arc<Program> {
+            self.inner.program()
+        }
+        fn step(&mut self, params: &StepParams) -> Result<(), BackendError> {
+            self.inner.step(params)
+        }
+        fn step_ops(&mut self, params: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+            self.inner.step_ops(params, ops)
+        }
+        fn profile(&mut self, params: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
+            self.inner.profile(params)
+        }
+        fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError> {
+            self.inner.write_buffer(buf, data)
+        }
+        fn sample(&mut self, s: &DeviceSample) -> Result<Option<u32>, BackendError> {
+            self.counts.samples.fetch_add(1, Ordering::Relaxed);
+            self.inner.read_logits(&mut self.scratch)?;
+            Ok(Some(ds4::sample::pick(&self.scratch, s)))
+        }
+        fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+            self.counts.logit_reads.fetch_add(1, Ordering::Relaxed);
+            self.inner.read_logits(out)
+        }
+        fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError> {
+            self.inner.read_buffer(buf)
+        }
+        fn reset(&mut self) -> Result<(), BackendError> {
+            self.inner.reset()
+        }
+    }
+}
+
+#[test]
+fn device_sampling_gives_the_tokens_of_host_sampling_without_reading_logits() {
+    use std::sync::atomic::Ordering;
+    let configs = [
+        SamplerConfig::default(),
+        SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.05, seed: 7 },
+        SamplerConfig { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 1 },
+        SamplerConfig { temperature: 0.3, top_k: 5000, top_p: 0.3, min_p: 0.0, seed: 2 },
+    ];
+    for cfg in configs {
+        let p = GenParams { sampler: cfg, max_tokens: 24, ignore_eos: true, logits: false };
+        let prompt: Vec<u32> = vec![0, 300, 301, 302];
+        let (want, _) = run(&mut tiny(64), &prompt, &p);
+        // The same through the reference path that reads every logit row.
+        let (with_logits, _) = run(&mut tiny(64), &prompt, &GenParams { logits: true, ..p });
+        assert_eq!(with_logits, want, "{cfg:?}: logits mode");
+
+        let backend = device_sampling::SamplingCpu::new();
+        let loaded = engine::load(&ModelSource::Preset("tiny".into())).unwrap();
+        let mut e = Engine::new(loaded, &backend, 64, 1).unwrap();
+        let (got, stats) = run(&mut e, &prompt, &p);
+        assert_eq!(got, want, "{cfg:?}");
+        assert_eq!(backend.counts.samples.load(Ordering::Relaxed), stats.generated);
+        assert_eq!(backend.counts.logit_reads.load(Ordering::Relaxed), 0, "{cfg:?}: logits were read");
+
+        // A prompt the session holds whole is sampled from the session's state too.
+        let mut again = prompt.clone();
+        again.extend_from_slice(&got[..23]);
+        let (more, stats) = run(&mut e, &again, &GenParams { max_tokens: 4, ..p });
+        assert_eq!((stats.reused, stats.prefilled), (again.len(), 0));
+        let (fresh, _) = run(&mut tiny(64), &again, &GenParams { max_tokens: 4, ..p });
+        assert_eq!(more, fresh, "{cfg:?}: after a reused prompt");
+    }
+}

@@ -148,6 +148,7 @@ kernel_args! {
     "hc_pre" => HcPreArgs { x: Ptr = "const float*", fn_w: Ptr = "const u16*", partial: Ptr = "float*", tickets: Ptr = "u32*", flat: Ptr = "float*", mix: Ptr = "float*", scale: Ptr = "const float*", base: Ptr = "const float*", split: Ptr = "float*", cur: Ptr = "float*", norm_w: Ptr = "const float*", norm: Ptr = "float*", xq: Ptr = "i8*", xd: Ptr = "float*", hc_dim: u32 = "u32", mix_rows: u32 = "u32", n_chunks: u32 = "u32", ticket: u32 = "u32", n_embd: u32 = "u32", iters: u32 = "u32", eps_flat: f32 = "float", eps_hc: f32 = "float", eps_norm: f32 = "float", _pad: u32 = "u32" }
     "synth_fill" => SynthFillArgs { out: Ptr = "u8*", state: u64 = "u64", n: u64 = "u64", ty: u32 = "u32", kind: u32 = "u32", a: f32 = "float", center: f32 = "float", spread: f32 = "float", d: u32 = "u32", dmin: u32 = "u32", n_expert: u32 = "u32", n_used: u32 = "u32", repack: u32 = "u32" }
     "fill" => FillArgs { x: Ptr = "u32*", n: u64 = "u64", v: u32 = "u32", _pad: u32 = "u32" }
+    "sample_token" => SampleTokenArgs { logits: Ptr = "const float*", out: Ptr = "u32*", n: u32 = "u32", top_k: u32 = "u32", temperature: f32 = "float", top_p: f32 = "float", min_p: f32 = "float", r: f32 = "float" }
 }
 
 /// `StepParams` as the kernels see it; its fields are checked against the Rust struct's size.

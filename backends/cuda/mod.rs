@@ -60,9 +60,10 @@ mod imp {
     use crate::backend::{Backend, BackendError, Executable, GraphFailure};
     use crate::model::Model;
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
+    use crate::sample::DeviceSample;
 
     /// Kernel sources, compiled together as one NVRTC program.
-    const SOURCES: [&str; 12] = [
+    const SOURCES: [&str; 13] = [
         include_str!("../../kernels/common.cuh"),
         include_str!("../../kernels/norm.cu"),
         include_str!("../../kernels/matvec.cu"),
@@ -75,9 +76,13 @@ mod imp {
         include_str!("../../kernels/fused.cu"),
         include_str!("../../kernels/elementwise.cu"),
         include_str!("../../kernels/synth.cu"),
+        include_str!("../../kernels/sample.cu"),
     ];
 
     const ALIGN: usize = 256;
+
+    /// Threads of the sampling kernel's one block (kernels/sample.cu).
+    const SAMPLE_THREADS: u32 = 1024;
 
     fn err(msg: impl Into<String>) -> BackendError {
         BackendError::new("cuda", msg)
@@ -342,6 +347,10 @@ mod imp {
         inject: Option<GraphFailure>,
         /// Programmatic dependent launch (sm_90 on; `DS4_CUDA_PDL=0` turns it off).
         pdl: bool,
+        /// The device sampler (kernels/sample.cu), launched after a token, not part of it.
+        sample_fn: CudaFunction,
+        /// The 4-byte token id it writes.
+        sampled: CudaSlice<u32>,
     }
 
     impl CudaExecutable {
@@ -491,6 +500,8 @@ mod imp {
             let launches = resolve(&plan)?;
             let single = resolve(&single_plan)?;
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
+            let sample_fn = module.load_function("sample_token").map_err(drv("kernel 'sample_token' is missing"))?;
+            let sampled = stream.alloc_zeros::<u32>(1).map_err(drv("cannot allocate the sampled token"))?;
 
             let mut exe = CudaExecutable {
                 program,
@@ -507,6 +518,8 @@ mod imp {
                 tokens: 0,
                 inject: None,
                 pdl: major >= 9 && std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
+                sample_fn,
+                sampled,
             };
             exe.reset()?;
             Ok(exe)
@@ -661,6 +674,35 @@ mod imp {
                 prev = e;
             }
             Ok(crate::backend::summarize_profile(times))
+        }
+
+        fn sample(&mut self, s: &DeviceSample) -> Result<Option<u32>, BackendError> {
+            // One block over the logits of the last step, on the same stream after it; then the
+            // 4-byte id comes back instead of the whole vocabulary's logits.
+            let logits = self.program.logits();
+            let n = self.program.buffers()[logits.0 as usize].len;
+            let a = args::SampleTokenArgs {
+                logits: Ptr(self.buf_ptr(logits)),
+                out: Ptr(self.sampled.device_ptr(&self.stream).0),
+                n: n as u32,
+                top_k: s.candidates(),
+                temperature: s.temperature,
+                top_p: s.top_p,
+                min_p: s.min_p,
+                r: s.r,
+            };
+            let (words, _) = args::encode(&a);
+            self.launch_raw(&self.sample_fn, 1, SAMPLE_THREADS, 0, &words)
+                .map_err(drv("sampling kernel launch failed"))?;
+            let mut id = [0u32];
+            // SAFETY: `sampled` is a live 4-byte allocation of this executable.
+            unsafe { result::memcpy_dtoh_async(&mut id, a.out.0, self.stream.cu_stream()) }
+                .map_err(drv("cannot read the sampled token back"))?;
+            self.stream.synchronize().map_err(drv("token failed"))?;
+            if id[0] as usize >= n {
+                return Err(err(format!("the device sampler returned token {} of a {n}-token vocabulary", id[0])));
+            }
+            Ok(Some(id[0]))
         }
 
         fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
