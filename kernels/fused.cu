@@ -208,5 +208,39 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre(DS4_ARGS, const HcPreA
             a.norm[i] = v * a.norm_w[i];
         }
     }
+    if (a.xk) {
+        // The routed experts' Q8_K of the same output, as quantize_q8_k makes it: per 256, the
+        // value of largest magnitude (lowest index on ties) sets d; a warp per block, lane i
+        // holding values i + 32k, the 16-value sums by half-warp shuffles (exact integers).
+        for (u32 blk = warp - 1; blk < ne / 256; blk += nw - 1) {
+            const u32 base = blk * 256;
+            float v[8];
+            float am = -1.0f;
+            int idx = 0;
+#pragma unroll
+            for (u32 k = 0; k < 8; k++) {
+                const u32 i = base + lane + 32 * k;
+                v[k] = (cur[i] * s2) * a.norm_w[i];
+                if (fabsf(v[k]) > am) {
+                    am = fabsf(v[k]);
+                    idx = (int)(lane + 32 * k);
+                }
+            }
+            warp_argmax(&am, &idx);
+            const u32 bi = base + (u32)idx;
+            const float maxv = am == 0.0f ? 0.0f : (cur[bi] * s2) * a.norm_w[bi];
+            BlockQ8K* o = a.xk + blk;
+            const float iscale = maxv == 0.0f ? 0.0f : -127.0f / maxv;
+#pragma unroll
+            for (u32 k = 0; k < 8; k++) {
+                const int q = maxv == 0.0f ? 0 : max(-128, min(127, (int)rintf(iscale * v[k])));
+                o->qs[lane + 32 * k] = (i8)q;
+                int sum = q;
+                for (u32 off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                if ((lane & 15) == 0) o->bsums[2 * k + (lane >> 4)] = (i16)sum;
+            }
+            if (lane == 0) o->d = maxv == 0.0f ? 0.0f : 1.0f / iscale;
+        }
+    }
     if (t == 0) a.tickets[a.ticket] = 0;
 }

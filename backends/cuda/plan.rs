@@ -105,6 +105,8 @@ struct Builder<'a> {
     tickets: u32,
     /// The ops the current op's launches compute (itself and any it absorbed).
     group: Vec<usize>,
+    /// The buffer whose Q8_K quantization (the experts' input) `hc_pre` left in the scratch.
+    q8k_of: Option<(Buf, usize)>,
 }
 
 fn b(x: Buf) -> Ptr {
@@ -166,6 +168,20 @@ impl<'a> Builder<'a> {
                 if self.program.weight(w).ty == GgmlType::Q8_0 {
                     return x == buf;
                 }
+            }
+            if st.op.writes().contains(&buf) {
+                return false;
+            }
+        }
+        false
+    }
+    /// Whether a routed-experts op reads `buf` after op `after`, with nothing writing `buf` (or
+    /// the Q8_K scratch) before it.
+    fn next_moe_input_after(&self, buf: Buf, after: usize) -> bool {
+        let steps = self.program.steps();
+        for st in (after + 1..steps.len()).filter(|&k| !self.done[k]).map(|k| &steps[k]) {
+            if let Op::MoeExperts { x, .. } = st.op {
+                return x == buf && st.cond == steps[after].cond;
             }
             if st.op.writes().contains(&buf) {
                 return false;
@@ -496,6 +512,14 @@ impl<'a> Builder<'a> {
         } else {
             (Ptr::NULL, Ptr::NULL)
         };
+        // The routed experts that read this norm take its Q8_K from here.
+        let xk = if n_embd.is_multiple_of(256) && self.next_moe_input_after(norm, norm_op) {
+            self.need(Scratch::Q8KX, n_embd as usize / 256 * Q8K_BLOCK_BYTES);
+            self.q8k_of = Some((norm, self.op));
+            Scratch::Q8KX.ptr()
+        } else {
+            Ptr::NULL
+        };
         let a = HcPreArgs {
             x: b(x),
             fn_w: w(fw),
@@ -511,6 +535,7 @@ impl<'a> Builder<'a> {
             norm: b(norm),
             xq,
             xd,
+            xk,
             hc_dim,
             mix_rows,
             n_chunks,
@@ -895,7 +920,9 @@ impl<'a> Builder<'a> {
                 self.need(Scratch::Q8KX, in_dim / 256 * Q8K_BLOCK_BYTES);
                 self.need(Scratch::Mid, n_used * ff * 4);
                 self.need(Scratch::Q8KMid, n_used * ff / 256 * Q8K_BLOCK_BYTES);
-                self.launch((in_dim / 256) as u32, 256, QuantizeQ8KArgs { x: b(x), out: Scratch::Q8KX.ptr() });
+                if self.q8k_of.take().map(|q| q.0) != Some(x) {
+                    self.launch((in_dim / 256) as u32, 256, QuantizeQ8KArgs { x: b(x), out: Scratch::Q8KX.ptr() });
+                }
                 let a = MoeGateUpArgs {
                     xq: Scratch::Q8KX.ptr(),
                     selected: b(selected),
@@ -989,6 +1016,7 @@ pub fn plan(program: &Program, fuse: bool) -> Result<Plan, String> {
         op: 0,
         ropes: Vec::new(),
         q8_of: None,
+        q8k_of: None,
         tickets: 0,
     };
     for (i, step) in program.steps().iter().enumerate() {
@@ -1008,6 +1036,9 @@ pub fn plan(program: &Program, fuse: bool) -> Result<Plan, String> {
         let steps = program.steps();
         if b.q8_of.is_some_and(|(q, _, by)| by != i && ops.iter().any(|&k| steps[k].op.writes().contains(&q))) {
             b.q8_of = None;
+        }
+        if b.q8k_of.is_some_and(|(q, by)| by != i && ops.iter().any(|&k| steps[k].op.writes().contains(&q))) {
+            b.q8k_of = None;
         }
     }
     Ok(Plan { launches: b.launches, scratch: b.need, ropes: b.ropes })
@@ -1162,6 +1193,8 @@ mod tests {
         assert_eq!(count(&fused, "add"), 0);
         assert_eq!(count(&fused, "hc_pre"), 2 * layers);
         assert_eq!(count(&fused, "hc_split"), 0);
+        // The experts' input is quantized inside hc_pre; only the mid vector's launch is left.
+        assert_eq!(count(&fused, "quantize_q8_k"), layers);
         // Only the indexer query's RoPE is left on its own.
         assert_eq!(count(&fused, "rope_tail"), count(&fused, "indexer_scores"));
         let mut by_kernel: std::collections::BTreeMap<&str, usize> = Default::default();
