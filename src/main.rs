@@ -598,7 +598,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     if let Some(e) = write_err {
         return Err(e.into());
     }
-    write!(out, "{}", stats.tail)?;
+    // Bytes of an unfinished UTF-8 character at the end belong to the text, not to a list of ids.
+    if !raw_ids {
+        write!(out, "{}", stats.tail)?;
+    }
     if stats.generated > 0 {
         writeln!(out)?;
     }

@@ -292,6 +292,35 @@ fn valid(option: &str, value: &str) -> bool {
     }
 }
 
+/// With token ids in, ids come out, and nothing else: here the last sampled token ends in the
+/// middle of a UTF-8 character (found by `random_sampling_options`), whose pending bytes once
+/// followed the ids as U+FFFD.
+#[test]
+fn ids_out_stay_ids_when_the_text_ends_mid_character() {
+    let out = ds4(&[
+        "run",
+        "--backend",
+        "cpu",
+        "-m",
+        &tiny(),
+        "-c",
+        "8",
+        "--tokens",
+        "1,2",
+        "-n",
+        "3",
+        "--temp=0.9830512",
+        "--top-p=0.14841393",
+        "--min-p=0",
+        "--top-k=964518721164",
+        "--seed=18051259715510619906",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).expect("stdout is UTF-8");
+    let ids: Vec<u32> = text.split_whitespace().map(|t| t.parse().expect("only ids")).collect();
+    assert_eq!(ids.len(), 3, "{text:?}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
 
