@@ -1179,6 +1179,54 @@ mod tests {
         }
     }
 
+    /// The fused plan runs the ops in an order the program's data allows: an op that moved
+    /// earlier (a second matrix in a matvec launch) never passes an op it depends on, or one that
+    /// reads what it overwrites.
+    #[test]
+    fn fused_order_respects_every_dependency() {
+        let models = [
+            Model::from_file(File::from_bytes("t", synth::build(&Preset::tiny(), 1)).unwrap()).unwrap(),
+            Model::from_file(File::from_bytes("t", synth::build(&Preset::small(), 1)).unwrap()).unwrap(),
+            synth::device_model(&Preset::flash_4l(), 1).unwrap(),
+        ];
+        for model in models {
+            let program = record_token(&model, Caps { ctx: 256 }).unwrap();
+            let steps = program.steps();
+            let plan = plan(&program, true).unwrap();
+            // The position of each op's group in launch order.
+            let mut at = vec![usize::MAX; steps.len()];
+            let mut group = 0;
+            for (i, l) in plan.launches.iter().enumerate() {
+                if i > 0 && plan.launches[i - 1].ops != l.ops {
+                    group += 1;
+                }
+                for &k in &l.ops {
+                    at[k] = group;
+                }
+            }
+            let conflict = |i: usize, j: usize| {
+                let (ri, wi, rj, wj) =
+                    (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
+                wi.iter().any(|b| rj.contains(b) || wj.contains(b)) || ri.iter().any(|b| wj.contains(b))
+            };
+            let mut moved = 0;
+            for j in 0..steps.len() {
+                for i in 0..j {
+                    if at[i] > at[j] {
+                        moved += 1;
+                        assert!(
+                            !conflict(i, j),
+                            "op {j} ({}) runs before op {i} ({}) it depends on",
+                            steps[j].op.name(),
+                            steps[i].op.name()
+                        );
+                    }
+                }
+            }
+            assert!(moved > 0, "some op moved earlier");
+        }
+    }
+
     /// Fusion keeps the work and cuts the launches: on the Flash shape every fused kernel appears,
     /// and the node count is well under the unfused one.
     #[test]
