@@ -12,6 +12,7 @@ pub mod engine;
 pub mod gguf;
 pub mod model;
 pub mod numerics;
+pub mod placement;
 pub mod quant;
 pub mod recorder;
 pub mod sample;

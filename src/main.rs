@@ -47,6 +47,13 @@ enum Cmd {
         /// GGUF model file to describe.
         #[arg(short, long)]
         model: PathBuf,
+        /// Also print where the weights would go with this much device memory (e.g. 22G, 512M;
+        /// binary units). The CUDA backend does not follow such a plan yet.
+        #[arg(long, value_parser = ds4::placement::parse_size)]
+        vram_budget: Option<u64>,
+        /// Context length the plan's KV state is sized for.
+        #[arg(short = 'c', long, default_value_t = 4096, value_parser = at_least_one)]
+        ctx: usize,
     },
     /// Write a deterministic random-weight model of a named shape.
     Synth {
@@ -353,7 +360,7 @@ fn main() {
         Cmd::Serve(a) => cmd_serve(a),
         Cmd::Check(a) => cmd_check(a),
         Cmd::Bench(a) => cmd_bench(a),
-        Cmd::Inspect { model } => cmd_inspect(&model),
+        Cmd::Inspect { model, vram_budget, ctx } => cmd_inspect(&model, vram_budget, ctx),
         Cmd::Synth { preset, out, seed } => cmd_synth(&preset, &out, seed),
         Cmd::Tokenize { model, prompt, prompt_file } => cmd_tokenize(&model, prompt, prompt_file),
         Cmd::Kernels { arch } => cmd_kernels(&arch),
@@ -925,7 +932,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_inspect(path: &Path) -> Result<()> {
+fn cmd_inspect(path: &Path, vram_budget: Option<u64>, ctx: usize) -> Result<()> {
     let file = open_gguf(path, "-m/--model")?;
     let n_tokens = file.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len());
     let arch = file.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("?").to_string();
@@ -973,6 +980,14 @@ fn cmd_inspect(path: &Path) -> Result<()> {
     match n_tokens {
         Some(n) => out!("tokenizer     {n} tokens"),
         None => out!("tokenizer     none"),
+    }
+    if let Some(budget) = vram_budget {
+        let caps = ds4::decode::Caps { ctx: u32::try_from(ctx).context("--ctx is too large")? };
+        let program = ds4::decode::record_token(&model, caps).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let footprint = ds4::placement::Footprint::of(&program, c.n_expert_used, c.n_expert);
+        let plan = ds4::placement::plan(&footprint, budget).with_context(|| format!("--vram-budget at --ctx {ctx}"))?;
+        out!("{}", plan.table().trim_end());
+        out!("(a plan only: the CUDA backend still needs every weight in device memory)");
     }
     Ok(())
 }

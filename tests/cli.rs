@@ -127,3 +127,23 @@ fn bench_reports_decode_speed() {
     let out = ok(&ds4(&["bench", "--backend", "cpu", "-m", model.to_str().unwrap(), "--prefill", "4", "-n", "4"]));
     assert!(out.contains("decode     4 tokens") && out.contains("tok/s"), "{out}");
 }
+
+/// `inspect --vram-budget`: everything in device memory when it fits, the experts in host memory
+/// with a cache when only the dense part fits, and a refusal naming the sizes below that (the
+/// tiny model at ctx 4096: 9.0 MiB dense, 2.5 MiB of experts, 4.3 MiB of buffers).
+#[test]
+fn inspect_plans_placement_for_a_budget() {
+    let model = golden("tiny-a/model.gguf");
+    let m = model.to_str().unwrap();
+    let fits = ok(&ds4(&["inspect", "-m", m, "--vram-budget", "64M"]));
+    assert!(fits.contains("device  everything"), "{fits}");
+    let spills = ok(&ds4(&["inspect", "-m", m, "--vram-budget", "14M"]));
+    assert!(spills.contains("expert cache") && spills.contains("host    routed experts"), "{spills}");
+    let out = ds4(&["inspect", "-m", m, "--vram-budget", "4M"]);
+    assert!(!out.status.success());
+    let err = one_line_error(&out);
+    assert!(err.contains("cannot run in 4.0 MiB") && err.contains("dense weights"), "{err}");
+    let out = ds4(&["inspect", "-m", m, "--vram-budget", "4X"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("'4X' is not a size"));
+}
