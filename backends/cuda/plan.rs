@@ -162,26 +162,29 @@ impl<'a> Builder<'a> {
     /// Whether the next op after op `after` that quantizes to the Q8_0 scratch is a Q8_0 matvec
     /// of `buf`, with nothing writing `buf` before it.
     fn next_q8_input_after(&self, buf: Buf, after: usize) -> bool {
-        let steps = self.program.steps();
-        for st in (after + 1..steps.len()).filter(|&k| !self.done[k]).map(|k| &steps[k]) {
-            if let Op::MatVec { w, x, .. } | Op::MatVecGrouped { w, x, .. } = st.op {
-                if self.program.weight(w).ty == GgmlType::Q8_0 {
-                    return x == buf;
-                }
+        self.next_consumer_reads(buf, after, |st| match st.op {
+            Op::MatVec { w, x, .. } | Op::MatVecGrouped { w, x, .. } if self.program.weight(w).ty == GgmlType::Q8_0 => {
+                Some(x == buf)
             }
-            if st.op.writes().contains(&buf) {
-                return false;
-            }
-        }
-        false
+            _ => None,
+        })
     }
-    /// Whether a routed-experts op reads `buf` after op `after`, with nothing writing `buf` (or
-    /// the Q8_K scratch) before it.
+    /// Whether a routed-experts op reads `buf` after op `after` under the same predicate, with
+    /// nothing writing `buf` before it.
     fn next_moe_input_after(&self, buf: Buf, after: usize) -> bool {
+        let cond = self.program.steps()[after].cond;
+        self.next_consumer_reads(buf, after, |st| match st.op {
+            Op::MoeExperts { x, .. } => Some(x == buf && st.cond == cond),
+            _ => None,
+        })
+    }
+    /// Scans the ops after `after` that no launch computed yet: the first one `consumer` answers
+    /// for gives the answer; an op writing `buf` before it gives false.
+    fn next_consumer_reads(&self, buf: Buf, after: usize, consumer: impl Fn(&Step) -> Option<bool>) -> bool {
         let steps = self.program.steps();
         for st in (after + 1..steps.len()).filter(|&k| !self.done[k]).map(|k| &steps[k]) {
-            if let Op::MoeExperts { x, .. } = st.op {
-                return x == buf && st.cond == steps[after].cond;
+            if let Some(answer) = consumer(st) {
+                return answer;
             }
             if st.op.writes().contains(&buf) {
                 return false;
@@ -248,28 +251,13 @@ impl<'a> Builder<'a> {
                 let fresh = matches!(self.q8_of, Some((q, c, _)) if q == x && (c == 0 || c == self.cond));
                 if !fresh {
                     let n = self.len(x);
-                    self.need(Scratch::Q8Qs, n);
-                    self.need(Scratch::Q8D, n / 32 * 4);
-                    let a = QuantizeQ80Args {
-                        x: b(x),
-                        xq: Scratch::Q8Qs.ptr(),
-                        xd: Scratch::Q8D.ptr(),
-                        n: n as u32,
-                        _pad: 0,
-                    };
+                    let (xq, xd) = self.q8_scratch(n);
+                    let a = QuantizeQ80Args { x: b(x), xq, xd, n: n as u32, _pad: 0 };
                     self.launch(blocks(n / 32, 8), 256, a);
                     self.q8_of = Some((x, self.cond, self.op));
                 }
                 // A second matrix of the same input shares the launch (q_a and kv, shared gate and up).
-                let partner = if groups == 1 { self.matvec_partner(x, GgmlType::Q8_0, in_dim as u64) } else { None };
-                let (w2, out2, rows2) = match partner {
-                    Some((j, w2, o2)) => {
-                        self.done[j] = true;
-                        self.group.push(j);
-                        (w(w2), b(o2), self.program.weight(w2).dim(1) as u32)
-                    }
-                    None => (Ptr::NULL, Ptr::NULL, 0),
-                };
+                let (w2, out2, rows2) = self.take_matvec_partner(x, GgmlType::Q8_0, in_dim, groups, usize::MAX);
                 let a = MatVecQ80Args {
                     w: w(wt),
                     xq: Scratch::Q8Qs.ptr(),
@@ -290,19 +278,7 @@ impl<'a> Builder<'a> {
                 }
                 let n_chunks = in_dim.div_ceil(numerics::CHUNK);
                 if rows < SPLIT_K_ROWS && n_chunks > 1 {
-                    let partner = match groups {
-                        1 => self.matvec_partner(x, GgmlType::F16, in_dim as u64),
-                        _ => None,
-                    }
-                    .filter(|&(_, w2, _)| (self.program.weight(w2).dim(1) as usize) < SPLIT_K_ROWS);
-                    let (w2, out2, rows2) = match partner {
-                        Some((j, w2, o2)) => {
-                            self.done[j] = true;
-                            self.group.push(j);
-                            (w(w2), b(o2), self.program.weight(w2).dim(1) as u32)
-                        }
-                        None => (Ptr::NULL, Ptr::NULL, 0),
-                    };
+                    let (w2, out2, rows2) = self.take_matvec_partner(x, GgmlType::F16, in_dim, groups, SPLIT_K_ROWS);
                     let all_rows = rows + rows2 as usize;
                     self.need(Scratch::Partial, all_rows * n_chunks * 4);
                     self.tickets += 1;
@@ -367,19 +343,15 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// HcPost; with `block_b` a real buffer, `block + block_b` (an Add fused in) is the block,
-    /// also stored to `sum_out`.
-    #[allow(clippy::too_many_arguments)]
-    fn hc_post(&mut self, block: Buf, block_b: Buf, sum_out: Buf, residual: Buf, split: Buf, out: Buf, n_hc: u32) {
+    /// HcPost; with `add = Some((block_b, sum_out))`, an Add fused in front: `block + block_b` is
+    /// the block, also stored to `sum_out`.
+    fn hc_post(&mut self, block: Buf, add: Option<(Buf, Buf)>, residual: Buf, split: Buf, out: Buf, n_hc: u32) {
         let n = self.len(block);
-        let (bb, so) = match block_b.0 {
-            u32::MAX => (Ptr::NULL, Ptr::NULL),
-            _ => (b(block_b), b(sum_out)),
-        };
+        let (block_b, sum_out) = add.map_or((Ptr::NULL, Ptr::NULL), |(bb, so)| (b(bb), b(so)));
         let a = HcPostArgs {
             block: b(block),
-            block_b: bb,
-            sum_out: so,
+            block_b,
+            sum_out,
             residual: b(residual),
             split: b(split),
             out: b(out),
@@ -389,11 +361,44 @@ impl<'a> Builder<'a> {
         self.launch(blocks(n * n_hc as usize, 256), 256, a);
     }
 
-    /// Marks ops as computed by the current op's launches.
+    /// Marks op `k` as computed by the current op's launches.
+    fn absorb_op(&mut self, k: usize) {
+        self.done[k] = true;
+        self.group.push(k);
+    }
     fn absorb(&mut self, ops: &[(usize, &Op)]) {
         for &(k, _) in ops {
-            self.done[k] = true;
-            self.group.push(k);
+            self.absorb_op(k);
+        }
+    }
+
+    /// The Q8_0 activation scratch for `n` values: (quants, scales).
+    fn q8_scratch(&mut self, n: usize) -> (Ptr, Ptr) {
+        self.need(Scratch::Q8Qs, n);
+        self.need(Scratch::Q8D, n / 32 * 4);
+        (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+    }
+
+    /// For an ungrouped matvec, the partner [`Self::matvec_partner`] finds (fewer than `max_rows`
+    /// rows), absorbed into the current launch, as the `(w2, out2, rows2)` arguments; none: nulls.
+    fn take_matvec_partner(
+        &mut self,
+        x: Buf,
+        ty: GgmlType,
+        in_dim: usize,
+        groups: u32,
+        max_rows: usize,
+    ) -> (Ptr, Ptr, u32) {
+        let partner = match groups {
+            1 => self.matvec_partner(x, ty, in_dim as u64),
+            _ => None,
+        };
+        match partner.map(|(j, w2, o2)| (j, w2, o2, self.program.weight(w2).dim(1) as usize)) {
+            Some((j, w2, o2, rows2)) if rows2 < max_rows => {
+                self.absorb_op(j);
+                (w(w2), b(o2), rows2 as u32)
+            }
+            _ => (Ptr::NULL, Ptr::NULL, 0),
         }
     }
 
@@ -506,9 +511,7 @@ impl<'a> Builder<'a> {
         self.tickets += 1;
         self.need(Scratch::Tickets, self.tickets as usize * 4);
         let (xq, xd) = if FUSE_NORM_Q8 && self.next_q8_input_after(norm, norm_op) {
-            self.need(Scratch::Q8Qs, n_embd as usize);
-            self.need(Scratch::Q8D, n_embd as usize / 32 * 4);
-            (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+            self.q8_scratch(n_embd as usize)
         } else {
             (Ptr::NULL, Ptr::NULL)
         };
@@ -665,9 +668,7 @@ impl<'a> Builder<'a> {
                 // A norm whose output the next Q8_0 matvec reads also writes its Q8_0 quantization
                 // (the same values quantize_q8_0 would make): one launch fewer per such pair.
                 let (xq, xd) = if FUSE_NORM_Q8 && rows == 1 && n % 32 == 0 && self.next_q8_input_is(out) {
-                    self.need(Scratch::Q8Qs, n as usize);
-                    self.need(Scratch::Q8D, n as usize / 32 * 4);
-                    (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+                    self.q8_scratch(n as usize)
                 } else {
                     (Ptr::NULL, Ptr::NULL)
                 };
@@ -705,9 +706,7 @@ impl<'a> Builder<'a> {
                 let a = HcWeightedSumArgs { hc: b(hc), weights: b(weights), out: b(out), n: n as u32, n_hc };
                 self.launch(blocks(n, 256), 256, a);
             }
-            Op::HcPost { block, residual, split, out, n_hc } => {
-                self.hc_post(block, Buf(u32::MAX), Buf(u32::MAX), residual, split, out, n_hc)
-            }
+            Op::HcPost { block, residual, split, out, n_hc } => self.hc_post(block, None, residual, split, out, n_hc),
             Op::HcHeadWeights { pre, scale, base, out, eps } => {
                 let n = self.len(pre) as u32;
                 let (scale, base) = (self.f32_weight(scale)?, self.f32_weight(base)?);
@@ -842,10 +841,7 @@ impl<'a> Builder<'a> {
                             rope_rot = n_rot;
                             self.absorb(&next);
                             if head_dim % 32 == 0 && self.next_q8_input_after(out, next[0].0) {
-                                let len = self.len(out);
-                                self.need(Scratch::Q8Qs, len);
-                                self.need(Scratch::Q8D, len / 32 * 4);
-                                (xq, xd) = (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr());
+                                (xq, xd) = self.q8_scratch(self.len(out));
                             }
                         }
                     }
@@ -963,9 +959,7 @@ impl<'a> Builder<'a> {
                 let n = self.len(out);
                 // Writes the Q8_0 quantization too when the next Q8_0 matvec reads its output.
                 let (xq, xd) = if self.fuse && n.is_multiple_of(32) && self.next_q8_input_is(out) {
-                    self.need(Scratch::Q8Qs, n);
-                    self.need(Scratch::Q8D, n / 32 * 4);
-                    (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+                    self.q8_scratch(n)
                 } else {
                     (Ptr::NULL, Ptr::NULL)
                 };
@@ -981,7 +975,7 @@ impl<'a> Builder<'a> {
                     if let Op::HcPost { block, residual, split, out: hc_out, n_hc } = *next[0].1 {
                         if block == out && ![a, y].contains(&hc_out) && ![residual, split].contains(&out) {
                             self.absorb(&next);
-                            self.hc_post(a, y, out, residual, split, hc_out, n_hc);
+                            self.hc_post(a, Some((y, out)), residual, split, hc_out, n_hc);
                             return Ok(());
                         }
                     }
