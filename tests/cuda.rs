@@ -10,7 +10,6 @@ use ds4::backend::{self, BackendKind, BackendOptions};
 use ds4::backends::cpu::CpuBackend;
 use ds4::model::Model;
 use ds4::numerics::Numerics;
-use ds4::recorder::StepParams;
 use ds4::session::Session;
 
 use common::{golden, golden_tokens};
@@ -50,21 +49,7 @@ fn cuda_equals_canonical_cpu_on_the_golden_tokens_graphs_on_and_off() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
 fn cuda_refuses_positions_and_tokens_out_of_range() {
-    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
-    let gpu = cuda(false);
-    let mut s = Session::new(model.clone(), gpu.as_ref(), 16).unwrap();
-    let exe = s.executable();
-    let e = exe.step(&StepParams::new(1, 16)).unwrap_err().to_string();
-    assert!(e.contains("position 16") && e.contains("16 positions"), "{e}");
-    let e = exe.step(&StepParams::new(model.config.n_vocab as u32, 0)).unwrap_err().to_string();
-    assert!(e.contains("vocabulary"), "{e}");
-    // A refused step runs nothing: the next good one gives the same logits as a fresh session.
-    exe.step(&StepParams::new(5, 0)).unwrap();
-    let mut got = Vec::new();
-    exe.read_logits(&mut got).unwrap();
-    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
-    let mut c = Session::new(model, &cpu, 16).unwrap();
-    assert!(c.eval(5).unwrap().iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()));
+    common::assert_refuses_positions_and_tokens_out_of_range(cuda(false).as_ref());
 }
 
 /// Logits of `n` greedy steps from token 0 on the CUDA backend, with an optional injected failure.

@@ -12,7 +12,6 @@ use ds4::backends::wgpu::{Tuning, WgpuBackend};
 use ds4::gguf::File;
 use ds4::model::Model;
 use ds4::numerics::Numerics;
-use ds4::recorder::StepParams;
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
 
@@ -97,20 +96,7 @@ fn weights_split_over_small_bindings_give_the_same_bits() {
 
 #[test]
 fn wgpu_refuses_positions_and_tokens_out_of_range() {
-    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
-    let gpu = wgpu_backend();
-    let mut s = Session::new(model.clone(), gpu.as_ref(), 16).unwrap();
-    let exe = s.executable();
-    let e = exe.step(&StepParams::new(1, 16)).unwrap_err().to_string();
-    assert!(e.contains("position 16") && e.contains("16 positions"), "{e}");
-    let e = exe.step(&StepParams::new(model.config.n_vocab as u32, 0)).unwrap_err().to_string();
-    assert!(e.contains("vocabulary"), "{e}");
-    exe.step(&StepParams::new(5, 0)).unwrap();
-    let mut got = Vec::new();
-    exe.read_logits(&mut got).unwrap();
-    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
-    let mut c = Session::new(model, &cpu, 16).unwrap();
-    assert!(c.eval(5).unwrap().iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()));
+    common::assert_refuses_positions_and_tokens_out_of_range(wgpu_backend().as_ref());
 }
 
 #[test]

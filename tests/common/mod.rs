@@ -17,3 +17,26 @@ pub fn golden_tokens() -> Vec<u32> {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
 }
+
+/// A GPU backend refuses a position past the context and a token past the vocabulary, and a
+/// refused step runs nothing: the next good one gives the canonical CPU's logits, bit for bit.
+pub fn assert_refuses_positions_and_tokens_out_of_range(gpu: &dyn ds4::backend::Backend) {
+    use ds4::backends::cpu::CpuBackend;
+    use ds4::model::Model;
+    use ds4::numerics::Numerics;
+    use ds4::recorder::StepParams;
+    use ds4::session::Session;
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let mut s = Session::new(model.clone(), gpu, 16).unwrap();
+    let exe = s.executable();
+    let e = exe.step(&StepParams::new(1, 16)).unwrap_err().to_string();
+    assert!(e.contains("position 16") && e.contains("16 positions"), "{e}");
+    let e = exe.step(&StepParams::new(model.config.n_vocab as u32, 0)).unwrap_err().to_string();
+    assert!(e.contains("vocabulary"), "{e}");
+    exe.step(&StepParams::new(5, 0)).unwrap();
+    let mut got = Vec::new();
+    exe.read_logits(&mut got).unwrap();
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let mut c = Session::new(model, &cpu, 16).unwrap();
+    assert!(c.eval(5).unwrap().iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
