@@ -41,17 +41,28 @@ pub fn block_split(ty: GgmlType) -> Option<(usize, usize, usize)> {
 /// Reorders GGUF blocks of `ty` into the split layout ([`BLOCK_SPLITS`]); other types come back
 /// unchanged. Same bytes, reordered: the values and so the results do not change.
 pub fn repack_blocks(ty: GgmlType, data: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    let Some((bb, at, nq)) = block_split(ty) else { return std::borrow::Cow::Borrowed(data) };
+    if block_split(ty).is_none() {
+        return std::borrow::Cow::Borrowed(data);
+    }
+    let mut out = vec![0u8; data.len()];
+    repack_blocks_into(ty, data, &mut out);
+    std::borrow::Cow::Owned(out)
+}
+
+/// [`repack_blocks`] into `out` (as long as `data`), for example page-locked host memory.
+pub fn repack_blocks_into(ty: GgmlType, data: &[u8], out: &mut [u8]) {
+    let Some((bb, at, nq)) = block_split(ty) else {
+        out.copy_from_slice(data);
+        return;
+    };
     let blocks = data.len() / bb;
-    let mut out = vec![0u8; blocks * bb];
-    let (quants, rest) = out.split_at_mut(blocks * nq);
+    let (quants, rest) = out[..blocks * bb].split_at_mut(blocks * nq);
     let nr = bb - nq;
     for (i, b) in data.chunks_exact(bb).enumerate() {
         quants[nq * i..nq * (i + 1)].copy_from_slice(&b[at..at + nq]);
         rest[nr * i..nr * i + at].copy_from_slice(&b[..at]);
         rest[nr * i + at..nr * (i + 1)].copy_from_slice(&b[at + nq..]);
     }
-    std::borrow::Cow::Owned(out)
 }
 
 /// The IQ2_XXS grid (256 entries of 8 bytes), little-endian.

@@ -19,7 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Model::from_file(File::from_bytes("tiny", synth::build(&Preset::tiny(), 4))?)?;
     // Recorded once; every backend compiles the very same program.
     let program = Arc::new(decode::record_token(&model, Caps { ctx: 64 })?);
-    let opts = BackendOptions { threads: 0, graphs: true, numerics: Numerics::Canonical };
+    let opts = BackendOptions { threads: 0, graphs: true, numerics: Numerics::Canonical, ..Default::default() };
     let mut exes: Vec<(BackendKind, Box<dyn Executable>)> = Vec::new();
     for kind in [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda] {
         match backend::create(kind, opts) {

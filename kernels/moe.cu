@@ -131,17 +131,19 @@ extern "C" __global__ void quantize_q8_k(DS4_ARGS, const QuantizeQ8KArgs a) {
 #define MOE_MAX_BLOCKS 64
 #define MOE_ROWS_PER_WARP 2
 
-// A row of an expert tensor: its first block's quants and rest (null quants: no row).
+// A row of an expert tensor: its first block's quants and rest (null quants: no row). An expert
+// tensor is reached through its table: for each expert, where its quants and its rest start (in
+// device memory, in mapped host memory, or in a slot of the expert cache: kernels/expert_cache.cu).
 struct ExpertRow {
     const u8* qs;
     const u8* rest;
 };
-__device__ __forceinline__ ExpertRow expert_row(const u8* tensor, u32 ty, u64 total_blocks, u64 first_block) {
+__device__ __forceinline__ ExpertRow expert_row(const u64* table, u32 ty, u64 e, u64 first_block) {
     u32 bb = 0, at = 0, nq = 0;
     ds4_block_split(ty, &bb, &at, &nq);
     ExpertRow r;
-    r.qs = tensor + first_block * nq;
-    r.rest = tensor + total_blocks * nq + first_block * (bb - nq);
+    r.qs = (const u8*)table[2 * e] + first_block * nq;
+    r.rest = (const u8*)table[2 * e + 1] + first_block * (bb - nq);
     return r;
 }
 __device__ __forceinline__ ExpertRow no_row() {
@@ -380,13 +382,12 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u
     const u32 per_slot = a.ff / MOE_ROWS_PER_WARP;
     const u32 slot = wid / per_slot, r0 = (wid % per_slot) * MOE_ROWS_PER_WARP, nb = a.in_dim / 256;
     const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
-    const u64 total = (u64)a.n_expert * a.ff * nb;
     ExpertRow rows[2 * MOE_ROWS_PER_WARP];
 #pragma unroll
     for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
-        const u64 first = (e * a.ff + r0 + k) * nb;
-        rows[2 * k] = expert_row(a.gate, TY, total, first);
-        rows[2 * k + 1] = expert_row(a.up, TY, total, first);
+        const u64 first = (u64)(r0 + k) * nb;
+        rows[2 * k] = expert_row(a.gate, TY, e, first);
+        rows[2 * k + 1] = expert_row(a.up, TY, e, first);
     }
     const BlockQ8K* ys[1] = {a.xq};
     rows_sums<TY, 1, 2 * MOE_ROWS_PER_WARP, U>(rows, ys, nb, grid, is, sm);
@@ -418,7 +419,6 @@ template <u32 TY>
 __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* grid, u32 r0,
                                               int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
-    const u64 total = (u64)a.n_expert * a.out_dim * nb;
     float acc[MOE_ROWS_PER_WARP];
 #pragma unroll
     for (int k = 0; k < MOE_ROWS_PER_WARP; k++) acc[k] = 0.0f;
@@ -434,7 +434,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* g
             for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
                 const u32 r = r0 + k;
                 rows[g * MOE_ROWS_PER_WARP + k] =
-                    slot < a.n_used && r < a.out_dim ? expert_row(a.down, TY, total, (e * a.out_dim + r) * nb) : no_row();
+                    slot < a.n_used && r < a.out_dim ? expert_row(a.down, TY, e, (u64)r * nb) : no_row();
             }
         }
         rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, grid, is, sm);

@@ -78,11 +78,33 @@ pub trait Executable {
         let _ = f;
         Err(BackendError::new("backend", "has no graphs to make fail"))
     }
+    /// What loading decided and measured (for example where the weights went, and how fast
+    /// they were uploaded), for the caller to print once.
+    fn load_report(&self) -> Option<String> {
+        None
+    }
+    /// Expert cache counters since the start, where routed experts are cached (placement "host").
+    fn expert_cache_stats(&mut self) -> Option<ExpertCacheStats> {
+        None
+    }
     /// Diagnostics since the last call (for example a CUDA graph that fell back to eager
     /// launches). Library code never prints; the caller decides where these go.
     fn take_warnings(&mut self) -> Vec<String> {
         Vec::new()
     }
+}
+
+/// Expert cache counters (per used expert of a token's layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpertCacheStats {
+    /// Found in a cache slot.
+    pub hits: u64,
+    /// Copied into a slot from host memory.
+    pub copies: u64,
+    /// Read from host memory in place (no slot free).
+    pub direct: u64,
+    /// Bytes of one expert (gate, up and down), what a copy or a direct read moves over the bus.
+    pub expert_bytes: u64,
 }
 
 /// Where the graph-failure test hook strikes ([`Executable::inject_graph_failure`]).
@@ -140,6 +162,10 @@ pub struct BackendOptions {
     /// The numerics profile (`ds4` or `canonical`). The GPU backends implement only
     /// `canonical` and refuse anything else.
     pub numerics: crate::numerics::Numerics,
+    /// CUDA: the device memory budget and a forced placement of the weights (src/placement.rs).
+    pub placement: crate::placement::PlacementRequest,
+    /// Called while weights load with (bytes done, bytes in all), for a progress bar.
+    pub load_progress: Option<fn(u64, u64)>,
 }
 
 /// Creates a backend of `kind`. A backend this build or machine lacks is an error that says so.

@@ -145,7 +145,7 @@ pub fn numerics_for(kind: BackendKind, asked: Option<Numerics>) -> Result<Numeri
 }
 
 /// How to pick and set up a backend.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct BackendChoice {
     /// None: auto, the first of cuda, wgpu, cpu that this build and machine offer (only the cpu
     /// with `Numerics::Ds4`).
@@ -156,14 +156,31 @@ pub struct BackendChoice {
     pub graphs: bool,
     /// None: the backend's default profile.
     pub numerics: Option<Numerics>,
+    /// CUDA: the device memory budget and a forced placement.
+    pub placement: crate::placement::PlacementRequest,
+    /// Called while weights load with (bytes done, bytes in all).
+    pub load_progress: Option<fn(u64, u64)>,
 }
 
 /// Creates the backend asked for. The second value says why auto fell back to the CPU.
 pub fn make_backend(c: &BackendChoice) -> Result<(Box<dyn Backend>, Option<String>), EngineError> {
     let opts = |kind| -> Result<BackendOptions, EngineError> {
-        Ok(BackendOptions { threads: c.threads, graphs: c.graphs, numerics: numerics_for(kind, c.numerics)? })
+        if kind != BackendKind::Cuda && !c.placement.is_default() {
+            return Err(EngineError::Invalid(format!(
+                "--vram-budget and --placement apply to the cuda backend, not to {kind}"
+            )));
+        }
+        Ok(BackendOptions {
+            threads: c.threads,
+            graphs: c.graphs,
+            numerics: numerics_for(kind, c.numerics)?,
+            placement: c.placement,
+            load_progress: c.load_progress,
+        })
     };
-    match c.kind {
+    // A placement request is for the cuda backend: auto means cuda then.
+    let kind = c.kind.or((!c.placement.is_default()).then_some(BackendKind::Cuda));
+    match kind {
         Some(kind) => Ok((backend::create(kind, opts(kind)?)?, None)),
         None if c.numerics == Some(Numerics::Ds4) => {
             Ok((backend::create(BackendKind::Cpu, opts(BackendKind::Cpu)?)?, None))

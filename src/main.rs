@@ -48,7 +48,7 @@ enum Cmd {
         #[arg(short, long)]
         model: PathBuf,
         /// Also print where the weights would go with this much device memory (e.g. 22G, 512M;
-        /// binary units). The CUDA backend does not follow such a plan yet.
+        /// binary units), as the CUDA backend plans it at load.
         #[arg(long, value_parser = ds4::placement::parse_size)]
         vram_budget: Option<u64>,
         /// Context length the plan's KV state is sized for.
@@ -144,6 +144,19 @@ struct ModelArgs {
     /// Context length in tokens, at most the model's trained context length.
     #[arg(short, long, default_value_t = 32768, value_parser = at_least_one)]
     ctx: usize,
+    /// CUDA: device memory the weights, KV state and expert cache may use (e.g. 22G; binary
+    /// units). Default: the memory free on the device.
+    #[arg(long, value_name = "SIZE", value_parser = ds4::placement::parse_size)]
+    vram_budget: Option<u64>,
+    /// CUDA: force where the weights go: device (all in device memory), host (routed experts in
+    /// page-locked host memory, the rest of the budget caches them) or unified (every weight in
+    /// page-locked host memory, read in place: the GB10's default). Default: planned from the budget.
+    #[arg(long, value_name = "PLACE", value_parser = ["device", "host", "unified"])]
+    placement: Option<String>,
+    /// CUDA, placement host: at most N expert cache slots per MoE layer (0: every routed expert
+    /// is read from host memory in place). Default: as many as the budget holds.
+    #[arg(long, value_name = "N")]
+    cache_slots: Option<usize>,
 }
 
 /// `--tokens` is the generation count (`-n/--tokens N`, as in ds4) or, given a comma list such as
@@ -432,6 +445,18 @@ fn make_backend(m: &ModelArgs, which: BackendArg, numerics: Option<NumericsArg>)
         threads: m.threads,
         graphs: m.graphs == OnOff::On,
         numerics: numerics.map(NumericsArg::profile),
+        // The placement flags are for the backend they were given with (`--backend`), or for
+        // a cuda backend `check --against` names; not for the cpu or wgpu reference of a check.
+        placement: if which == m.backend || which == BackendArg::Cuda {
+            ds4::placement::PlacementRequest {
+                budget: m.vram_budget,
+                mode: m.placement.as_deref().map(str::parse).transpose().map_err(anyhow::Error::msg)?,
+                cache_slots: m.cache_slots,
+            }
+        } else {
+            Default::default()
+        },
+        load_progress: Some(upload_progress),
     };
     let (backend, note) = engine::make_backend(&choice)?;
     if let Some(note) = note {
@@ -441,6 +466,26 @@ fn make_backend(m: &ModelArgs, which: BackendArg, numerics: Option<NumericsArg>)
         eprintln!("ds4: {} backend on {device}", backend.name());
     }
     Ok(backend)
+}
+
+/// The weight upload's progress bar, made on its first call (a plain function, so the backend
+/// options stay plain data).
+fn upload_progress(done: u64, total: u64) {
+    static BAR: std::sync::OnceLock<ProgressBar> = std::sync::OnceLock::new();
+    let pb = BAR.get_or_init(|| {
+        let pb = ProgressBar::new(total);
+        pb.set_style(
+            ProgressStyle::with_template(
+                "uploading weights {bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}",
+            )
+            .unwrap(),
+        );
+        pb
+    });
+    pb.set_position(done);
+    if done >= total {
+        pb.finish_and_clear();
+    }
 }
 
 fn spinner(msg: &str) -> ProgressBar {
@@ -463,10 +508,16 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Engine, Duration)> {
     }
     engine::check_ctx(&loaded, m.ctx)?;
     let backend = make_backend(m, which, m.numerics)?;
-    let pb = spinner(&format!("preparing the {} backend", backend.name()));
+    // The CUDA backend draws its own upload bar.
+    let pb = (backend.name() != "cuda").then(|| spinner(&format!("preparing the {} backend", backend.name())));
     let engine = Engine::new(loaded, backend.as_ref(), m.ctx, m.threads);
-    pb.finish_and_clear();
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
     let mut engine = engine?;
+    if let Some(report) = engine.session().executable().load_report() {
+        eprint!("{report}");
+    }
     let elapsed = t0.elapsed();
     let (ops, predicated) = engine.session().program().op_counts();
     eprintln!(
@@ -886,11 +937,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     session.feed(&prompt, |_| {})?;
     let mut next = session.sample(&mut greedy)?;
     let prefill_time = t0.elapsed();
+    let cache_before = session.executable().expert_cache_stats();
     let t1 = Instant::now();
     for _ in 0..a.tokens {
         next = session.eval_sampled(next, &mut greedy)?;
     }
     let decode_time = t1.elapsed();
+    let cache_after = session.executable().expert_cache_stats();
     for w in session.take_warnings() {
         eprintln!("ds4: {w}");
     }
@@ -919,6 +972,18 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     if let Some(n) = session.executable().nodes_per_token() {
         out!("nodes      {n} kernel launches (graph nodes) per token");
+    }
+    if let (Some(b), Some(e)) = (cache_before, cache_after) {
+        let (hits, copies, direct) = (e.hits - b.hits, e.copies - b.copies, e.direct - b.direct);
+        let used = (hits + copies + direct).max(1) as f64;
+        let bus = (copies + direct) as f64 * e.expert_bytes as f64 / a.tokens.max(1) as f64;
+        out!(
+            "experts    cache hit rate {:.1}% ({hits} hits, {copies} copied in, {direct} read in place); \
+             {:.1} MB per token over the bus, {:.2} GB/s",
+            100.0 * hits as f64 / used,
+            bus / 1e6,
+            bus * tps / 1e9
+        );
     }
     if a.profile {
         let params = ds4::recorder::StepParams::new(next, session.pos() as u32);

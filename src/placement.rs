@@ -1,10 +1,9 @@
 //! Where a token program's weights go for a device memory budget: everything in device memory,
 //! or the dense weights, KV state and buffers there with the routed experts in host memory and
-//! the rest of the budget as an expert cache. A pure function of the program's sizes and the
-//! budget, so it can be planned (and tested) without a GPU.
-//!
-//! The CUDA backend does not follow a plan yet: it still needs every weight in device memory and
-//! refuses a model that does not fit. `ds4 inspect --vram-budget` prints the plan a budget gives.
+//! the rest of the budget as an expert cache, or (unified memory, as on the GB10) everything in
+//! page-locked host memory that the GPU reads in place. A pure function of the program's sizes
+//! and the budget, so it can be planned (and tested) without a GPU; the CUDA backend follows it
+//! (backends/cuda/mod.rs) and `ds4 inspect --vram-budget` prints it.
 
 use crate::recorder::Program;
 
@@ -23,8 +22,13 @@ pub struct Footprint {
 
 impl Footprint {
     /// The footprint of `program`, whose layers route `n_used` of `n_expert` experts per token.
+    /// Whether a tensor is a routed-expert tensor (what may live in host memory).
+    pub fn is_expert(name: &str) -> bool {
+        name.contains("_exps")
+    }
+
     pub fn of(program: &Program, n_used: usize, n_expert: usize) -> Footprint {
-        let is_expert = |name: &str| name.contains("_exps");
+        let is_expert = Footprint::is_expert;
         let (mut dense, mut experts) = (0u64, 0u64);
         for t in program.weights() {
             if is_expert(&t.name) {
@@ -44,7 +48,7 @@ impl Footprint {
     }
 }
 
-/// Where the routed experts are.
+/// Where the weights are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
     /// Every weight in device memory.
@@ -52,6 +56,45 @@ pub enum Placement {
     /// Routed experts in page-locked host memory; `cache` bytes of device memory hold the
     /// experts used most recently.
     HostExperts { cache: u64 },
+    /// Every weight in page-locked host memory, read by the GPU in place: on a unified-memory
+    /// GPU (the GB10) the weights occupy memory once; on a discrete GPU every byte crosses the bus.
+    Unified,
+}
+
+/// A placement the user forces (`--placement`), instead of the one the budget gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlacementMode {
+    Device,
+    Host,
+    Unified,
+}
+
+impl std::str::FromStr for PlacementMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "device" => Ok(PlacementMode::Device),
+            "host" => Ok(PlacementMode::Host),
+            "unified" => Ok(PlacementMode::Unified),
+            other => Err(format!("unknown placement '{other}' (expected device, host or unified)")),
+        }
+    }
+}
+
+/// What the user asked for: a budget (default: the device's free memory) and a forced placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlacementRequest {
+    pub budget: Option<u64>,
+    pub mode: Option<PlacementMode>,
+    /// At most this many expert cache slots per MoE layer (0: read every expert from host
+    /// memory in place), for tests and for measuring the hit rate against the cache's size.
+    pub cache_slots: Option<usize>,
+}
+
+impl PlacementRequest {
+    pub fn is_default(&self) -> bool {
+        *self == PlacementRequest::default()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +113,18 @@ pub enum PlacementError {
         budget = gb(*budget), dense = gb(*dense), buffers = gb(*buffers), need = gb(dense + buffers)
     )]
     TooLarge { dense: u64, buffers: u64, budget: u64 },
+    #[error(
+        "--placement device needs {need} of device memory (dense weights {dense}, routed experts {experts}, \
+         KV state and buffers {buffers}) but the budget is {budget}",
+        need = gb(dense + experts + buffers), dense = gb(*dense), experts = gb(*experts),
+        buffers = gb(*buffers), budget = gb(*budget)
+    )]
+    DeviceTooSmall { dense: u64, experts: u64, buffers: u64, budget: u64 },
+    #[error(
+        "the model's KV state and buffers ({buffers}) alone exceed the budget of {budget}",
+        buffers = gb(*buffers), budget = gb(*budget)
+    )]
+    BuffersTooLarge { buffers: u64, budget: u64 },
 }
 
 /// The plan for `budget` bytes of device memory: everything there when it fits, else the routed
@@ -87,12 +142,49 @@ pub fn plan(footprint: &Footprint, budget: u64) -> Result<PlacementPlan, Placeme
     Ok(PlacementPlan { footprint: *footprint, budget, placement })
 }
 
+/// The plan for `budget`, or for the placement `mode` forces within it.
+pub fn plan_for(
+    footprint: &Footprint,
+    budget: u64,
+    mode: Option<PlacementMode>,
+) -> Result<PlacementPlan, PlacementError> {
+    let f = footprint;
+    let placement = match mode {
+        None => return plan(f, budget),
+        Some(PlacementMode::Device) => {
+            if f.resident() + f.experts > budget {
+                return Err(PlacementError::DeviceTooSmall {
+                    dense: f.dense,
+                    experts: f.experts,
+                    buffers: f.buffers,
+                    budget,
+                });
+            }
+            Placement::Device
+        }
+        Some(PlacementMode::Host) => {
+            if f.resident() > budget {
+                return Err(PlacementError::TooLarge { dense: f.dense, buffers: f.buffers, budget });
+            }
+            Placement::HostExperts { cache: (budget - f.resident()).min(f.experts) }
+        }
+        Some(PlacementMode::Unified) => {
+            if f.buffers > budget {
+                return Err(PlacementError::BuffersTooLarge { buffers: f.buffers, budget });
+            }
+            Placement::Unified
+        }
+    };
+    Ok(PlacementPlan { footprint: *f, budget, placement })
+}
+
 impl PlacementPlan {
     /// Expert bytes a token reads over the bus when no used expert is in the cache.
     pub fn bus_bytes_per_token_max(&self) -> u64 {
         match self.placement {
             Placement::Device => 0,
             Placement::HostExperts { .. } => self.footprint.experts_per_token,
+            Placement::Unified => self.footprint.dense + self.footprint.experts_per_token,
         }
     }
 
@@ -125,13 +217,25 @@ impl PlacementPlan {
                     gb(self.bus_bytes_per_token_max())
                 );
             }
+            Placement::Unified => {
+                s += &format!("  device  KV state and buffers {}\n", gb(f.buffers));
+                s += &format!(
+                    "  host    every weight: dense {}, routed experts {} (page-locked, read in place)\n",
+                    gb(f.dense),
+                    gb(f.experts)
+                );
+                s += &format!(
+                    "  bus     {} per token on a discrete GPU (none where memory is unified)\n",
+                    gb(self.bus_bytes_per_token_max())
+                );
+            }
         }
         s
     }
 }
 
 /// Bytes in the binary units budgets are given in: GiB, or MiB below one GiB.
-fn gb(bytes: u64) -> String {
+pub fn gb(bytes: u64) -> String {
     if bytes >= 1 << 30 {
         format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
     } else {
@@ -214,6 +318,15 @@ mod tests {
         assert!(p.table().contains("expert cache"), "{}", p.table());
         assert_eq!(plan(&f, all - 1).unwrap().placement, Placement::HostExperts { cache: f.experts - 1 });
         // Less than the dense part: refused, naming the sizes and the budget.
+        // Forced placements within a budget.
+        assert_eq!(
+            plan_for(&f, all, Some(PlacementMode::Host)).unwrap().placement,
+            Placement::HostExperts { cache: f.experts }
+        );
+        assert_eq!(plan_for(&f, f.buffers, Some(PlacementMode::Unified)).unwrap().placement, Placement::Unified);
+        let e = plan_for(&f, 22 << 30, Some(PlacementMode::Device)).unwrap_err().to_string();
+        assert!(e.contains("--placement device") && e.contains(&gb(22 << 30)), "{e}");
+        assert!(plan_for(&f, f.buffers - 1, Some(PlacementMode::Unified)).is_err());
         let e = plan(&f, f.resident() - 1).unwrap_err();
         let msg = e.to_string();
         assert!(

@@ -15,16 +15,27 @@ use ds4::session::Session;
 use common::{golden, golden_tokens};
 
 fn cuda(graphs: bool) -> Box<dyn ds4::backend::Backend> {
-    let opts = BackendOptions { threads: 0, graphs, numerics: Numerics::Canonical };
+    let opts = BackendOptions { threads: 0, graphs, numerics: Numerics::Canonical, ..Default::default() };
     backend::create(BackendKind::Cuda, opts).expect("this test needs an NVIDIA GPU and libcuda/libnvrtc")
 }
 
 /// Teacher-forced on `tokens`, then greedy (on the reference's argmax) for `extra` steps.
 fn compare(model: &Arc<Model>, graphs: bool, tokens: &[u32], extra: usize, ctx: usize) {
+    compare_on(model, cuda(graphs).as_ref(), graphs, tokens, extra, ctx);
+}
+
+/// `compare` on a given CUDA backend; returns its expert cache counters, if it caches experts.
+fn compare_on(
+    model: &Arc<Model>,
+    gpu: &dyn ds4::backend::Backend,
+    graphs: bool,
+    tokens: &[u32],
+    extra: usize,
+    ctx: usize,
+) -> Option<ds4::backend::ExpertCacheStats> {
     let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
-    let gpu = cuda(graphs);
     let mut a = Session::new(model.clone(), &cpu, ctx).unwrap();
-    let mut b = Session::new(model.clone(), gpu.as_ref(), ctx).unwrap();
+    let mut b = Session::new(model.clone(), gpu, ctx).unwrap();
     let mut next = tokens[0];
     for i in 0..tokens.len() + extra {
         let t = if i < tokens.len() { tokens[i] } else { next };
@@ -35,6 +46,56 @@ fn compare(model: &Arc<Model>, graphs: bool, tokens: &[u32], extra: usize, ctx: 
         next = ds4::sample::argmax(&want);
     }
     assert!(b.take_warnings().is_empty(), "no fallback expected");
+    b.executable().expert_cache_stats()
+}
+
+/// Every placement of the weights gives the canonical CPU's logits: routed experts in host
+/// memory read in place (no cache slot), through a cache of one slot (fewer than a token uses:
+/// copies, evictions and reads in place) and of more slots than a token uses (hits), and every
+/// weight in host memory (unified). The counters add up to every used expert of every layer.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn every_placement_equals_canonical_cpu() {
+    use ds4::placement::{PlacementMode, PlacementRequest};
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = golden_tokens();
+    let n_used = model.config.n_expert_used;
+    let extra = 24;
+    for (mode, slots) in [
+        (PlacementMode::Host, Some(0)),
+        (PlacementMode::Host, Some(1)),
+        (PlacementMode::Host, Some(n_used + 2)),
+        (PlacementMode::Unified, None),
+    ] {
+        for graphs in [false, true] {
+            let placement = PlacementRequest { budget: None, mode: Some(mode), cache_slots: slots };
+            let opts = BackendOptions { graphs, numerics: Numerics::Canonical, placement, ..Default::default() };
+            let gpu = backend::create(BackendKind::Cuda, opts).expect("this test needs an NVIDIA GPU");
+            let stats = compare_on(&model, gpu.as_ref(), graphs, &tokens, extra, 256);
+            let what = format!("{mode:?} with {slots:?} slots, graphs {graphs}");
+            match slots {
+                Some(n) if n > 0 => {
+                    let s = stats.unwrap_or_else(|| panic!("{what}: no cache counters"));
+                    let layers = Session::new(model.clone(), gpu.as_ref(), 256)
+                        .unwrap()
+                        .program()
+                        .steps()
+                        .iter()
+                        .filter(|s| matches!(s.op, ds4::recorder::Op::MoeExperts { .. }))
+                        .count() as u64;
+                    let steps = (tokens.len() + extra) as u64;
+                    assert_eq!(s.hits + s.copies + s.direct, steps * layers * n_used as u64, "{what}: {s:?}");
+                    assert!(s.copies > 0, "{what}: {s:?}");
+                    if n < n_used {
+                        assert!(s.direct > 0, "{what}: {s:?}");
+                    } else {
+                        assert!(s.direct == 0 && s.hits > 0, "{what}: {s:?}");
+                    }
+                }
+                _ => assert!(stats.is_none(), "{what}: no cache expected"),
+            }
+        }
+    }
 }
 
 #[test]

@@ -8,7 +8,7 @@ use ds4::tokenizer::{standin_vocab, Role, ThinkMode, Tokenizer};
 
 fn tiny(ctx: usize) -> Engine {
     let loaded = engine::load(&ModelSource::Preset("tiny".into())).unwrap();
-    let choice = BackendChoice { kind: Some(BackendKind::Cpu), threads: 1, graphs: false, numerics: None };
+    let choice = BackendChoice { kind: Some(BackendKind::Cpu), threads: 1, ..Default::default() };
     let (backend, note) = engine::make_backend(&choice).unwrap();
     assert!(note.is_none());
     Engine::new(loaded, backend.as_ref(), ctx, 1).unwrap()

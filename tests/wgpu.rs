@@ -18,7 +18,7 @@ use ds4::synth::{self, Preset};
 use common::{golden, golden_tokens};
 
 fn wgpu_backend() -> Box<dyn Backend> {
-    let opts = BackendOptions { threads: 0, graphs: false, numerics: Numerics::Canonical };
+    let opts = BackendOptions { threads: 0, graphs: false, numerics: Numerics::Canonical, ..Default::default() };
     ds4::backend::create(BackendKind::Wgpu, opts)
         .unwrap_or_else(|e| panic!("this test needs a wgpu adapter (lavapipe in CI): {e}"))
 }

@@ -22,6 +22,16 @@ pub enum PtrRef {
     Grid,
     /// The (cos, sin) table of `Plan::ropes[i]`.
     Rope(u32),
+    /// Where each expert of routed-expert weight `w` is now: (quants, rest) per expert.
+    ExpertTable(u32),
+    /// Where each expert of weight `w` lives for good (device or host memory).
+    ExpertHome(u32),
+    /// The expert cache state of MoE layer `i` (kernels/expert_cache.cu).
+    CacheState(u32),
+    /// The expert cache slots of MoE layer `i`.
+    CacheSlots(u32),
+    /// The expert cache counters: hits, copies, reads from host memory.
+    CacheStats,
 }
 
 impl Ptr {
@@ -39,6 +49,19 @@ impl Ptr {
     pub fn rope(i: usize) -> Ptr {
         Ptr((4 << 32) | i as u64)
     }
+    pub fn expert_table(w: crate::recorder::WeightId) -> Ptr {
+        Ptr((6 << 32) | w.0 as u64)
+    }
+    pub fn expert_home(w: crate::recorder::WeightId) -> Ptr {
+        Ptr((7 << 32) | w.0 as u64)
+    }
+    pub fn cache_state(layer: u32) -> Ptr {
+        Ptr((8 << 32) | layer as u64)
+    }
+    pub fn cache_slots(layer: u32) -> Ptr {
+        Ptr((9 << 32) | layer as u64)
+    }
+    pub const CACHE_STATS: Ptr = Ptr(10 << 32);
     /// The reference a planned (not yet resolved) pointer holds.
     pub fn reference(self) -> Option<PtrRef> {
         let (kind, i) = (self.0 >> 32, self.0 as u32);
@@ -49,6 +72,11 @@ impl Ptr {
             3 => PtrRef::Scratch(i),
             4 => PtrRef::Rope(i),
             5 => PtrRef::Grid,
+            6 => PtrRef::ExpertTable(i),
+            7 => PtrRef::ExpertHome(i),
+            8 => PtrRef::CacheState(i),
+            9 => PtrRef::CacheSlots(i),
+            10 => PtrRef::CacheStats,
             _ => return None,
         })
     }
@@ -139,8 +167,10 @@ kernel_args! {
     "attention" => AttentionArgs { q: Ptr = "const float*", raw: Ptr = "const float*", comp: Ptr = "const float*", selected: Ptr = "const int*", sinks: Ptr = "const float*", out: Ptr = "float*", scores: Ptr = "float*", rope: Ptr = "const float*", xq: Ptr = "i8*", xd: Ptr = "float*", head_dim: u32 = "u32", window: u32 = "u32", raw_cap: u32 = "u32", ratio: u32 = "u32", comp_cap: u32 = "u32", top_k: u32 = "u32", max_rows: u32 = "u32", kq_scale: f32 = "float", n_rot: u32 = "u32", _pad: u32 = "u32" }
     "router_select" => RouterSelectArgs { logits: Ptr = "const float*", bias: Ptr = "const float*", hash: Ptr = "const int*", selected: Ptr = "int*", weights: Ptr = "float*", n_expert: u32 = "u32", n_used: u32 = "u32", n_vocab: u32 = "u32", scale: f32 = "float" }
     "quantize_q8_k" => QuantizeQ8KArgs { x: Ptr = "const float*", out: Ptr = "BlockQ8K*" }
-    "moe_gate_up" => MoeGateUpArgs { xq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", weights: Ptr = "const float*", gate: Ptr = "const u8*", up: Ptr = "const u8*", mid: Ptr = "float*", grid: Ptr = "const u64*", gate_ty: u32 = "u32", up_ty: u32 = "u32", in_dim: u32 = "u32", ff: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", clamp: f32 = "float", _pad: u32 = "u32" }
-    "moe_down" => MoeDownArgs { midq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", down: Ptr = "const u8*", out: Ptr = "float*", grid: Ptr = "const u64*", down_ty: u32 = "u32", ff: u32 = "u32", out_dim: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", _pad: u32 = "u32" }
+    "moe_gate_up" => MoeGateUpArgs { xq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", weights: Ptr = "const float*", gate: Ptr = "const u64*", up: Ptr = "const u64*", mid: Ptr = "float*", grid: Ptr = "const u64*", gate_ty: u32 = "u32", up_ty: u32 = "u32", in_dim: u32 = "u32", ff: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", clamp: f32 = "float", _pad: u32 = "u32" }
+    "moe_down" => MoeDownArgs { midq: Ptr = "const BlockQ8K*", selected: Ptr = "const int*", down: Ptr = "const u64*", out: Ptr = "float*", grid: Ptr = "const u64*", down_ty: u32 = "u32", ff: u32 = "u32", out_dim: u32 = "u32", n_used: u32 = "u32", n_expert: u32 = "u32", _pad: u32 = "u32" }
+    "expert_cache_plan" => ExpertCachePlanArgs { selected: Ptr = "const int*", state: Ptr = "int*", stats: Ptr = "u64*", gate_table: Ptr = "u64*", up_table: Ptr = "u64*", down_table: Ptr = "u64*", gate_home: Ptr = "const u64*", up_home: Ptr = "const u64*", down_home: Ptr = "const u64*", slots: Ptr = "u8*", slot_bytes: u64 = "u64", gate_qs: u32 = "u32", gate_rest: u32 = "u32", up_qs: u32 = "u32", up_rest: u32 = "u32", down_qs: u32 = "u32", down_rest: u32 = "u32", n_expert: u32 = "u32", n_used: u32 = "u32" }
+    "expert_cache_copy" => ExpertCacheCopyArgs { state: Ptr = "const int*", gate_home: Ptr = "const u64*", up_home: Ptr = "const u64*", down_home: Ptr = "const u64*", slots: Ptr = "u8*", slot_bytes: u64 = "u64", gate_qs: u32 = "u32", gate_rest: u32 = "u32", up_qs: u32 = "u32", up_rest: u32 = "u32", down_qs: u32 = "u32", down_rest: u32 = "u32", n_expert: u32 = "u32", n_used: u32 = "u32" }
     "swiglu" => SwiGluArgs { gate: Ptr = "const float*", up: Ptr = "const float*", out: Ptr = "float*", xq: Ptr = "i8*", xd: Ptr = "float*", n: u32 = "u32", clamp: f32 = "float" }
     "add" => AddArgs { a: Ptr = "const float*", b: Ptr = "const float*", out: Ptr = "float*", n: u32 = "u32", _pad: u32 = "u32" }
     "qkv_finish" => QkvFinishArgs { q: Ptr = "float*", kv_raw: Ptr = "const float*", kv_norm: Ptr = "const float*", kv: Ptr = "float*", cache: Ptr = "float*", table: Ptr = "const float*", n_head: u32 = "u32", head_dim: u32 = "u32", n_rot: u32 = "u32", raw_cap: u32 = "u32", eps_q: f32 = "float", eps_kv: f32 = "float" }
@@ -245,6 +275,11 @@ mod tests {
         assert_eq!(Ptr::rope(1).reference(), Some(PtrRef::Rope(1)));
         assert_eq!(Ptr::GRID.reference(), Some(PtrRef::Grid));
         assert_eq!(Ptr::NULL.reference(), Some(PtrRef::Null));
+        assert_eq!(Ptr::expert_table(WeightId(4)).reference(), Some(PtrRef::ExpertTable(4)));
+        assert_eq!(Ptr::expert_home(WeightId(4)).reference(), Some(PtrRef::ExpertHome(4)));
+        assert_eq!(Ptr::cache_state(9).reference(), Some(PtrRef::CacheState(9)));
+        assert_eq!(Ptr::cache_slots(9).reference(), Some(PtrRef::CacheSlots(9)));
+        assert_eq!(Ptr::CACHE_STATS.reference(), Some(PtrRef::CacheStats));
         let a = RmsNormArgs {
             x: Ptr::buf(Buf(1)),
             w: Ptr::NULL,

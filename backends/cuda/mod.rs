@@ -7,6 +7,8 @@
 #[cfg(feature = "cuda")]
 mod args;
 #[cfg(feature = "cuda")]
+mod memory;
+#[cfg(feature = "cuda")]
 mod plan;
 
 use crate::backend::{Backend, BackendError, BackendOptions};
@@ -24,7 +26,7 @@ pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
             format!("implements only the canonical numerics, not '{}'", opts.numerics),
         ));
     }
-    Ok(Box::new(imp::CudaBackend::new(opts.graphs)?))
+    Ok(Box::new(imp::CudaBackend::with_options(opts)?))
 }
 
 #[cfg(feature = "cuda")]
@@ -56,14 +58,17 @@ mod imp {
     use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
     use super::args::{self, FillArgs, Ptr, PtrRef};
+    use super::memory::{self, HostMem, WeightMem};
     use super::plan::{self, SCRATCH_KINDS};
     use crate::backend::{Backend, BackendError, Executable, GraphFailure};
+    use crate::backend::{BackendOptions, ExpertCacheStats};
     use crate::model::Model;
+    use crate::placement::{self, Footprint, Placement, PlacementMode};
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
     use crate::sample::DeviceSample;
 
     /// Kernel sources, compiled together as one NVRTC program.
-    const SOURCES: [&str; 13] = [
+    const SOURCES: [&str; 14] = [
         include_str!("../../kernels/common.cuh"),
         include_str!("../../kernels/norm.cu"),
         include_str!("../../kernels/matvec.cu"),
@@ -73,6 +78,7 @@ mod imp {
         include_str!("../../kernels/indexer.cu"),
         include_str!("../../kernels/attention.cu"),
         include_str!("../../kernels/moe.cu"),
+        include_str!("../../kernels/expert_cache.cu"),
         include_str!("../../kernels/fused.cu"),
         include_str!("../../kernels/elementwise.cu"),
         include_str!("../../kernels/synth.cu"),
@@ -80,6 +86,38 @@ mod imp {
     ];
 
     const ALIGN: usize = 256;
+
+    /// Device memory left free when the budget is the free memory: the kernels, graphs and the
+    /// context's own allocations.
+    const HEADROOM: u64 = 1 << 30;
+
+    /// One MoE layer's routed-expert tensors, in program order (the expert cache's layer index).
+    struct MoeLayer {
+        tensors: [crate::recorder::WeightId; 3],
+        /// (quants, rest) bytes of one expert of gate, up, down.
+        pieces: [(u64, u64); 3],
+        slot_bytes: u64,
+        n_expert: usize,
+        n_used: usize,
+    }
+
+    fn moe_layers(program: &Program) -> Vec<MoeLayer> {
+        let mut out = Vec::new();
+        for step in program.steps() {
+            if let crate::recorder::Op::MoeExperts { gate, up, down, selected, .. } = step.op {
+                let n_expert = program.weight(gate).dim(2) as u32;
+                let pieces = [gate, up, down].map(|t| plan::expert_pieces(program.weight(t), n_expert));
+                out.push(MoeLayer {
+                    tensors: [gate, up, down],
+                    pieces,
+                    slot_bytes: plan::cache_slot_bytes(&pieces),
+                    n_expert: n_expert as usize,
+                    n_used: program.buffers()[selected.0 as usize].len,
+                });
+            }
+        }
+        out
+    }
 
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
     const SAMPLE_THREADS: u32 = 1024;
@@ -269,11 +307,15 @@ mod imp {
 
     pub struct CudaBackend {
         ctx: Arc<CudaContext>,
-        graphs: bool,
+        opts: BackendOptions,
     }
 
     impl CudaBackend {
         pub fn new(graphs: bool) -> Result<Self, BackendError> {
+            Self::with_options(BackendOptions { graphs, ..Default::default() })
+        }
+
+        pub fn with_options(opts: BackendOptions) -> Result<Self, BackendError> {
             // SAFETY: these only try to load the libraries; nothing else is called before.
             if !unsafe { cudarc::driver::sys::is_culib_present() } {
                 return Err(err("no CUDA driver (libcuda) on this machine"));
@@ -286,7 +328,7 @@ mod imp {
                 return Err(err("no CUDA device found"));
             }
             let ctx = CudaContext::new(0).map_err(drv("cannot open CUDA device 0"))?;
-            Ok(CudaBackend { ctx, graphs })
+            Ok(CudaBackend { ctx, opts })
         }
     }
 
@@ -299,8 +341,7 @@ mod imp {
         }
 
         fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
-            CudaExecutable::new(self.ctx.clone(), program, model, self.graphs)
-                .map(|e| Box::new(e) as Box<dyn Executable>)
+            CudaExecutable::new(self.ctx.clone(), program, model, self.opts).map(|e| Box::new(e) as Box<dyn Executable>)
         }
     }
 
@@ -329,7 +370,17 @@ mod imp {
     pub struct CudaExecutable {
         program: Arc<Program>,
         stream: Arc<CudaStream>,
-        _weights: Vec<CudaSlice<u8>>,
+        _weights: Vec<WeightMem>,
+        /// Expert tables, cache states and slots, the grid and RoPE tables: kept alive.
+        _device_mem: Vec<CudaSlice<u8>>,
+        _tables: Vec<CudaSlice<u64>>,
+        _cache_states: Vec<CudaSlice<i32>>,
+        /// Expert cache counters (hits, copies, direct reads), when experts are cached.
+        cache_stats: Option<CudaSlice<u64>>,
+        /// Bytes of one expert (gate, up, down) of the first MoE layer.
+        expert_bytes: u64,
+        /// Where the weights went and how fast they came, for the caller to print.
+        report: String,
         arena: CudaSlice<u8>,
         params: CudaSlice<u32>,
         /// Byte offset of each program buffer in the arena.
@@ -358,16 +409,17 @@ mod imp {
             ctx: Arc<CudaContext>,
             program: Arc<Program>,
             model: Arc<Model>,
-            graphs: bool,
+            opts: BackendOptions,
         ) -> Result<Self, BackendError> {
+            let graphs = opts.graphs;
             ctx.bind_to_thread().map_err(drv("cannot bind the CUDA context"))?;
             // cudarc's per-allocation events would end up inside the captured graph.
             // SAFETY: set before any allocation, and every launch goes through one stream.
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().map_err(drv("cannot create a stream"))?;
 
-            let plan = plan::plan(&program, true).map_err(err)?;
-            let single_plan = plan::plan(&program, false).map_err(err)?;
+            let plan = plan::plan(&program, true, false).map_err(err)?;
+            let single_plan = plan::plan(&program, false, false).map_err(err)?;
             let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
             let arch = format!("sm_{major}{minor}");
             let module = match cache::load(&arch).map(|ptx| ctx.load_module(ptx)) {
@@ -398,45 +450,174 @@ mod imp {
                 size += bytes.max(4).div_ceil(ALIGN) * ALIGN;
             }
 
-            // Unique weights the program reads.
-            let weight_bytes: usize = program.weights().iter().map(|t| t.bytes as usize).sum();
-            let need = weight_bytes + size;
+            // Where the weights go: planned from the budget before anything is uploaded.
             let (free, total) = result::mem_get_info().map_err(drv("cannot query device memory"))?;
-            if need > free {
-                return Err(err(format!(
-                    "the model needs {:.2} GB on the device ({:.2} GB weights + {:.2} GB buffers for this context), \
-                     but only {:.2} GB of {:.2} GB are free",
-                    need as f64 / 1e9,
-                    weight_bytes as f64 / 1e9,
-                    size as f64 / 1e9,
-                    free as f64 / 1e9,
-                    total as f64 / 1e9
-                )));
-            }
-            let mut weights = Vec::with_capacity(program.weights().len());
+            let cfg = &model.config;
+            let mut footprint = Footprint::of(&program, cfg.n_expert_used, cfg.n_expert);
+            footprint.buffers = size as u64;
+            let budget = match opts.placement.budget {
+                Some(b) if b > free as u64 => {
+                    return Err(err(format!(
+                        "--vram-budget {} exceeds the {} free on the device ({} in all)",
+                        placement::gb(b),
+                        placement::gb(free as u64),
+                        placement::gb(total as u64)
+                    )))
+                }
+                Some(b) => b,
+                // Room for the kernels, graphs and the context's own allocations.
+                None => (free as u64).saturating_sub(HEADROOM),
+            };
+            let integrated = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
+                .map_err(drv("cannot read the device's attributes"))?
+                == 1;
+            let mode = opts.placement.mode.or(integrated.then_some(PlacementMode::Unified));
+            let placed = placement::plan_for(&footprint, budget, mode).map_err(|e| err(e.to_string()))?;
+            let moe = moe_layers(&program);
+            // Expert cache slots per MoE layer: what the cache bytes hold, at most every expert.
+            let n_slots = match placed.placement {
+                Placement::HostExperts { cache } if !moe.is_empty() => {
+                    let per_round: u64 = moe.iter().map(|l| l.slot_bytes).sum();
+                    let fit = (cache / per_round.max(1)).min(cfg.n_expert as u64) as usize;
+                    opts.placement.cache_slots.map_or(fit, |cap| fit.min(cap))
+                }
+                _ => 0,
+            };
+            let (plan, single_plan) = if n_slots > 0 {
+                (plan::plan(&program, true, true).map_err(err)?, plan::plan(&program, false, true).map_err(err)?)
+            } else {
+                (plan, single_plan)
+            };
+            let on_host = |name: &str| match placed.placement {
+                Placement::Device => false,
+                Placement::HostExperts { .. } => Footprint::is_expert(name),
+                Placement::Unified => true,
+            };
+
+            let weight_bytes: u64 = program.weights().iter().map(|t| t.bytes).sum();
+            let mut uploader = memory::Uploader::new(&stream, weight_bytes, opts.load_progress)
+                .map_err(drv("cannot allocate the upload's staging buffers"))?;
+            let mut weights: Vec<WeightMem> = Vec::with_capacity(program.weights().len());
             let mut weight_ptrs = Vec::with_capacity(program.weights().len());
             let synth_fill = module.load_function("synth_fill").map_err(drv("kernel 'synth_fill' is missing"))?;
             let synthetic = model.synthetic.as_ref();
             for t in program.weights() {
-                // A synthetic preset's weights are drawn in device memory, not copied.
-                if let Some((syn, fill)) = synthetic.and_then(|s| s.fills.get(&t.name).map(|f| (s, *f))) {
-                    let d = generate(&stream, &synth_fill, t, syn.rng_state(&t.name), fill)?;
-                    weight_ptrs.push(d.device_ptr(&stream).0);
-                    weights.push(d);
-                    continue;
+                let host = on_host(&t.name);
+                let recipe = synthetic.and_then(|s| s.fills.get(&t.name).map(|f| (s, *f)));
+                let m = match recipe {
+                    // A synthetic preset's weights are drawn in device memory, not copied; those
+                    // placed in host memory move there once drawn.
+                    Some((syn, fill)) => {
+                        let d = generate(&stream, &synth_fill, t, syn.rng_state(&t.name), fill)?;
+                        if host {
+                            let mut h = HostMem::alloc(t.bytes as usize)
+                                .map_err(drv(&format!("cannot allocate page-locked memory for '{}'", t.name)))?;
+                            stream
+                                .memcpy_dtoh(&d, h.as_mut_slice())
+                                .map_err(drv(&format!("cannot move '{}' to host memory", t.name)))?;
+                            WeightMem::Host(h)
+                        } else {
+                            WeightMem::Device(d)
+                        }
+                    }
+                    None if !model.file.has_data() => {
+                        return Err(err(format!("tensor '{}' has neither host data nor a recipe", t.name)))
+                    }
+                    None if host => {
+                        let mut h = HostMem::alloc(t.bytes as usize)
+                            .map_err(drv(&format!("cannot allocate page-locked memory for '{}'", t.name)))?;
+                        crate::backends::gpu_tables::repack_blocks_into(t.ty, model.data(t), h.as_mut_slice());
+                        WeightMem::Host(h)
+                    }
+                    None => {
+                        let bytes = crate::backends::gpu_tables::repack_blocks(t.ty, model.data(t));
+                        let d = stream
+                            .alloc_zeros::<u8>(bytes.len())
+                            .map_err(drv(&format!("cannot allocate '{}'", t.name)))?;
+                        uploader
+                            .upload(&stream, d.device_ptr(&stream).0, &bytes)
+                            .map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
+                        WeightMem::Device(d)
+                    }
+                };
+                if recipe.is_some() || host {
+                    uploader.advance(t.bytes);
                 }
-                if !model.file.has_data() {
-                    return Err(err(format!("tensor '{}' has neither host data nor a recipe", t.name)));
-                }
-                let bytes = crate::backends::gpu_tables::repack_blocks(t.ty, model.data(t));
-                let d = stream.clone_htod(&bytes[..]).map_err(drv(&format!("cannot upload tensor '{}'", t.name)))?;
-                weight_ptrs.push(d.device_ptr(&stream).0);
-                weights.push(d);
+                weight_ptrs.push(m.ptr(&stream));
+                weights.push(m);
             }
+            let (copied, upload_s) = uploader.finish(&stream).map_err(drv("weight upload failed"))?;
+            // Allocations that only need to stay alive.
+            let mut device_mem: Vec<CudaSlice<u8>> = Vec::new();
+            let mut table_mem: Vec<CudaSlice<u64>> = Vec::new();
+            let mut state_mem: Vec<CudaSlice<i32>> = Vec::new();
+
+            // Every routed-expert tensor's table: where each expert's quants and rest are. The
+            // home table never changes; the live one points at cache slots while cached.
+            let mut expert_tables: Vec<(u32, u64, u64)> = Vec::new();
+            for l in &moe {
+                for (&w, pieces) in l.tensors.iter().zip(&l.pieces) {
+                    if expert_tables.iter().any(|e| e.0 == w.0) {
+                        continue;
+                    }
+                    let base = weight_ptrs[w.0 as usize];
+                    let n_expert = l.n_expert as u64;
+                    let home: Vec<u64> = (0..n_expert)
+                        .flat_map(|e| [base + e * pieces.0, base + n_expert * pieces.0 + e * pieces.1])
+                        .collect();
+                    let h = stream.clone_htod(&home).map_err(drv("cannot upload an expert table"))?;
+                    let t = stream.clone_htod(&home).map_err(drv("cannot upload an expert table"))?;
+                    expert_tables.push((w.0, t.device_ptr(&stream).0, h.device_ptr(&stream).0));
+                    table_mem.extend([h, t]);
+                }
+            }
+
+            // The expert cache: per MoE layer its state and slots, and the shared counters.
+            let mut cache_states = Vec::new();
+            let mut cache_slots = Vec::new();
+            let cache_stats = stream.alloc_zeros::<u64>(3).map_err(drv("cannot allocate the cache counters"))?;
+            if n_slots > 0 {
+                for l in &moe {
+                    let mut state = vec![-1i32; 2 + 2 * n_slots + l.n_expert + 2 * l.n_used];
+                    state[0] = n_slots as i32;
+                    state[1] = 0;
+                    let st = stream.clone_htod(&state).map_err(drv("cannot allocate the expert cache"))?;
+                    let slots = stream
+                        .alloc_zeros::<u8>(n_slots * l.slot_bytes as usize)
+                        .map_err(drv("cannot allocate the expert cache"))?;
+                    cache_states.push(st.device_ptr(&stream).0);
+                    cache_slots.push(slots.device_ptr(&stream).0);
+                    state_mem.push(st);
+                    device_mem.push(slots);
+                }
+            }
+            let expert_bytes = moe.first().map_or(0, |l| l.pieces.iter().map(|p| p.0 + p.1).sum());
+            let mut report = placed.table();
+            match placed.placement {
+                Placement::HostExperts { .. } => {
+                    report += &format!(
+                        "  cache   {n_slots} slots of {} per MoE layer (of {} experts; {} routed per token)\n",
+                        placement::gb(expert_bytes),
+                        cfg.n_expert,
+                        cfg.n_expert_used
+                    );
+                }
+                Placement::Unified if integrated => report += "  (this GPU shares host memory: no bytes are copied)\n",
+                _ => {}
+            }
+            if copied > 0 {
+                report += &format!(
+                    "  upload  {} through pinned staging in {upload_s:.2} s ({:.1} GB/s)\n",
+                    placement::gb(copied),
+                    copied as f64 / upload_s.max(1e-9) / 1e9
+                );
+            }
+
             let grid_bytes = crate::backends::gpu_tables::iq2_xxs_grid_bytes();
             let grid_table = stream.clone_htod(&grid_bytes).map_err(drv("cannot upload the IQ2_XXS grid"))?;
             let grid_ptr = grid_table.device_ptr(&stream).0;
-            weights.push(grid_table);
+            device_mem.push(grid_table);
 
             // RoPE tables: (cos, sin) per position and pair, computed as the CPU reference does.
             let mut rope_ptrs = Vec::with_capacity(plan.ropes.len());
@@ -447,7 +628,7 @@ mod imp {
                 let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
                 let d = stream.clone_htod(&bytes).map_err(drv("cannot upload a RoPE table"))?;
                 rope_ptrs.push(d.device_ptr(&stream).0);
-                weights.push(d);
+                device_mem.push(d);
             }
 
             let arena = stream.alloc_zeros::<u8>(size).map_err(drv("cannot allocate the buffer arena"))?;
@@ -479,6 +660,24 @@ mod imp {
                             PtrRef::Weight(w) => weight_ptrs[w as usize],
                             PtrRef::Scratch(s) => base + scratch_off[s as usize].1 as u64,
                             PtrRef::Grid => grid_ptr,
+                            PtrRef::ExpertTable(w) | PtrRef::ExpertHome(w) => {
+                                let t = expert_tables
+                                    .iter()
+                                    .find(|e| e.0 == w)
+                                    .ok_or_else(|| err(format!("{}: no expert table for weight {w}", l.kernel)))?;
+                                if matches!(r, PtrRef::ExpertTable(_)) {
+                                    t.1
+                                } else {
+                                    t.2
+                                }
+                            }
+                            PtrRef::CacheState(i) => *cache_states
+                                .get(i as usize)
+                                .ok_or_else(|| err(format!("{}: no expert cache for layer {i}", l.kernel)))?,
+                            PtrRef::CacheSlots(i) => *cache_slots
+                                .get(i as usize)
+                                .ok_or_else(|| err(format!("{}: no expert cache for layer {i}", l.kernel)))?,
+                            PtrRef::CacheStats => cache_stats.device_ptr(&stream).0,
                             PtrRef::Rope(i) => {
                                 let at = ropes.iter().position(|r| *r == p.ropes[i as usize]).unwrap_or(0);
                                 rope_ptrs[at]
@@ -507,6 +706,12 @@ mod imp {
                 program,
                 stream,
                 _weights: weights,
+                _device_mem: device_mem,
+                _tables: table_mem,
+                _cache_states: state_mem,
+                cache_stats: (n_slots > 0).then_some(cache_stats),
+                expert_bytes,
+                report,
                 arena,
                 params,
                 offsets,
@@ -760,6 +965,16 @@ mod imp {
 
         fn nodes_per_token(&self) -> Option<usize> {
             Some(self.launches.len())
+        }
+
+        fn load_report(&self) -> Option<String> {
+            Some(self.report.clone())
+        }
+
+        fn expert_cache_stats(&mut self) -> Option<ExpertCacheStats> {
+            let stats = self.cache_stats.as_ref()?;
+            let v = self.stream.clone_dtoh(stats).ok()?;
+            Some(ExpertCacheStats { hits: v[0], copies: v[1], direct: v[2], expert_bytes: self.expert_bytes })
         }
 
         fn inject_graph_failure(&mut self, f: GraphFailure) -> Result<(), BackendError> {

@@ -107,6 +107,10 @@ struct Builder<'a> {
     group: Vec<usize>,
     /// The buffer whose Q8_K quantization (the experts' input) `hc_pre` left in the scratch.
     q8k_of: Option<(Buf, usize)>,
+    /// Whether routed experts go through the expert cache (kernels/expert_cache.cu).
+    expert_cache: bool,
+    /// MoE layers planned so far: the index of each layer's cache state.
+    moe_layers: u32,
 }
 
 fn b(x: Buf) -> Ptr {
@@ -152,6 +156,55 @@ impl<'a> Builder<'a> {
             _ => Err(format!("tensor '{}' must be F32 for the CUDA kernels", self.program.weight(x).name)),
         }
     }
+    /// The expert cache's launches for one MoE layer: which experts miss, then their copy.
+    fn expert_cache_launches(&mut self, selected: Buf, tensors: [WeightId; 3], n_used: u32, n_expert: u32) {
+        let layer = self.moe_layers;
+        self.moe_layers += 1;
+        let [g, u, d] = tensors.map(|t| expert_pieces(self.program.weight(t), n_expert));
+        let slot_bytes = cache_slot_bytes(&[g, u, d]);
+        let pieces = |p: u64| p as u32;
+        let a = ExpertCachePlanArgs {
+            selected: b(selected),
+            state: Ptr::cache_state(layer),
+            stats: Ptr::CACHE_STATS,
+            gate_table: Ptr::expert_table(tensors[0]),
+            up_table: Ptr::expert_table(tensors[1]),
+            down_table: Ptr::expert_table(tensors[2]),
+            gate_home: Ptr::expert_home(tensors[0]),
+            up_home: Ptr::expert_home(tensors[1]),
+            down_home: Ptr::expert_home(tensors[2]),
+            slots: Ptr::cache_slots(layer),
+            slot_bytes,
+            gate_qs: pieces(g.0),
+            gate_rest: pieces(g.1),
+            up_qs: pieces(u.0),
+            up_rest: pieces(u.1),
+            down_qs: pieces(d.0),
+            down_rest: pieces(d.1),
+            n_expert,
+            n_used,
+        };
+        self.launch(1, 32, a);
+        let a = ExpertCacheCopyArgs {
+            state: Ptr::cache_state(layer),
+            gate_home: Ptr::expert_home(tensors[0]),
+            up_home: Ptr::expert_home(tensors[1]),
+            down_home: Ptr::expert_home(tensors[2]),
+            slots: Ptr::cache_slots(layer),
+            slot_bytes,
+            gate_qs: pieces(g.0),
+            gate_rest: pieces(g.1),
+            up_qs: pieces(u.0),
+            up_rest: pieces(u.1),
+            down_qs: pieces(d.0),
+            down_rest: pieces(d.1),
+            n_expert,
+            n_used,
+        };
+        // Enough 16-byte loads in flight to keep the bus busy (two blocks per SM on an H200).
+        self.launch(264, 256, a);
+    }
+
     fn expert_type(&self, w: WeightId) -> Result<u32, String> {
         match self.program.weight(w).ty {
             t @ (GgmlType::IQ2_XXS | GgmlType::Q2_K | GgmlType::Q4_K) => Ok(t as u32),
@@ -919,12 +972,15 @@ impl<'a> Builder<'a> {
                 if self.q8k_of.take().map(|q| q.0) != Some(x) {
                     self.launch((in_dim / 256) as u32, 256, QuantizeQ8KArgs { x: b(x), out: Scratch::Q8KX.ptr() });
                 }
+                if self.expert_cache {
+                    self.expert_cache_launches(selected, [gate, up, down], n_used as u32, n_expert);
+                }
                 let a = MoeGateUpArgs {
                     xq: Scratch::Q8KX.ptr(),
                     selected: b(selected),
                     weights: b(weights),
-                    gate: w(gate),
-                    up: w(up),
+                    gate: Ptr::expert_table(gate),
+                    up: Ptr::expert_table(up),
                     mid: Scratch::Mid.ptr(),
                     grid: Ptr::GRID,
                     gate_ty,
@@ -943,7 +999,7 @@ impl<'a> Builder<'a> {
                 let a = MoeDownArgs {
                     midq: Scratch::Q8KMid.ptr(),
                     selected: b(selected),
-                    down: w(down),
+                    down: Ptr::expert_table(down),
                     out: b(out),
                     grid: Ptr::GRID,
                     down_ty,
@@ -996,12 +1052,31 @@ fn comp_ratio(b: crate::recorder::Bound) -> Result<u32, String> {
     }
 }
 
+/// Bytes of one expert of a routed-expert tensor in the split layout: (quants, rest). The
+/// tensor holds every expert's quants, then every expert's rest (`gpu_tables::repack_blocks`).
+pub fn expert_pieces(t: &crate::gguf::TensorInfo, n_expert: u32) -> (u64, u64) {
+    let (bb, _, nq) = crate::backends::gpu_tables::block_split(t.ty).unwrap_or((1, 0, 1));
+    let blocks = t.bytes / bb as u64 / n_expert.max(1) as u64;
+    (blocks * nq as u64, blocks * (bb - nq) as u64)
+}
+
+/// Bytes of one expert cache slot: gate, up and down, each piece 256-aligned
+/// (kernels/expert_cache.cu, `cache_piece_offset`).
+pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
+    tensors.iter().flat_map(|&(q, r)| [q, r]).map(|p| p.div_ceil(256) * 256).sum()
+}
+
 /// Plans every op of `program`, in order. With `fuse`, runs of ops share launches (the plan a
 /// token and its graph use); without, every launch computes one op (for running a range of ops).
-pub fn plan(program: &Program, fuse: bool) -> Result<Plan, String> {
+///
+/// With `expert_cache`, each MoE layer first runs the expert cache's two launches (placement
+/// "host": routed experts in host memory, cached in device memory).
+pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
     let mut b = Builder {
         program,
         fuse,
+        expert_cache,
+        moe_layers: 0,
         done: vec![false; program.steps().len()],
         group: Vec::new(),
         launches: Vec::new(),
@@ -1082,7 +1157,7 @@ mod tests {
         for (preset, fuse) in [(Preset::tiny(), false), (Preset::tiny(), true), (Preset::small(), true)] {
             let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
-            let plan = plan(&program, fuse).unwrap();
+            let plan = plan(&program, fuse, false).unwrap();
             let mut ops_seen = vec![0; program.steps().len()];
             let mut last_group: Option<&Vec<usize>> = None;
             for l in &plan.launches {
@@ -1111,6 +1186,41 @@ mod tests {
         }
     }
 
+    /// With the expert cache, each MoE layer first finds its misses and copies them, then its
+    /// experts run: the two launches belong to the MoE op and number the layers in program order.
+    #[test]
+    fn expert_cache_launches_come_before_each_moe_layer() {
+        let model = Model::from_file(File::from_bytes("t", synth::build(&Preset::small(), 1)).unwrap()).unwrap();
+        let program = record_token(&model, Caps { ctx: 128 }).unwrap();
+        let moe: Vec<usize> =
+            (0..program.steps().len()).filter(|&i| matches!(program.steps()[i].op, Op::MoeExperts { .. })).collect();
+        assert!(!moe.is_empty());
+        for fuse in [false, true] {
+            let (plain, cached) = (plan(&program, fuse, false).unwrap(), plan(&program, fuse, true).unwrap());
+            assert_eq!(cached.launches.len(), plain.launches.len() + 2 * moe.len());
+            let mut layer = 0;
+            for (i, l) in cached.launches.iter().enumerate() {
+                if l.kernel != "expert_cache_plan" {
+                    continue;
+                }
+                let next: Vec<&str> = cached.launches[i + 1..]
+                    .iter()
+                    .map(|l| l.kernel)
+                    .take_while(|k| *k != "expert_cache_plan")
+                    .collect();
+                assert_eq!(next[0], "expert_cache_copy");
+                assert!(next.contains(&"moe_gate_up") && next.contains(&"moe_down"), "{next:?}");
+                assert!(l.ops.contains(&moe[layer]), "launch {i}");
+                assert_eq!(l.args[1], Ptr::cache_state(layer as u32).0);
+                layer += 1;
+            }
+            assert_eq!(layer, moe.len());
+        }
+        // A slot holds one expert's six pieces, each 256-aligned.
+        let pieces = [(1000, 30), (512, 256), (4096, 1)];
+        assert_eq!(cache_slot_bytes(&pieces), 1024 + 256 + 512 + 256 + 4096 + 256);
+    }
+
     /// Every Q8_0 matvec reads a Q8_0 scratch that holds its own input's quantization: the last
     /// quantizing launch before it (a quantize_q8_0, or a norm, attention or SwiGLU that quantizes
     /// its output) was of that buffer, and no op has written the buffer since.
@@ -1120,7 +1230,7 @@ mod tests {
             let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
             for fuse in [false, true] {
-                let plan = plan(&program, fuse).unwrap();
+                let plan = plan(&program, fuse, false).unwrap();
                 // (the quantized buffer's reference, the launch group that quantized it)
                 let mut held: Option<(u64, &Vec<usize>)> = None;
                 let (mut checked, mut fused) = (0, 0);
@@ -1186,7 +1296,7 @@ mod tests {
         for model in models {
             let program = record_token(&model, Caps { ctx: 256 }).unwrap();
             let steps = program.steps();
-            let plan = plan(&program, true).unwrap();
+            let plan = plan(&program, true, false).unwrap();
             // The position of each op's group in launch order.
             let mut at = vec![usize::MAX; steps.len()];
             let mut group = 0;
@@ -1227,7 +1337,7 @@ mod tests {
     fn flash_fuses_its_small_ops() {
         let model = synth::device_model(&Preset::flash(), 1).unwrap();
         let program = record_token(&model, Caps { ctx: 2048 }).unwrap();
-        let (fused, single) = (plan(&program, true).unwrap(), plan(&program, false).unwrap());
+        let (fused, single) = (plan(&program, true, false).unwrap(), plan(&program, false, false).unwrap());
         let count = |p: &Plan, k: &str| p.launches.iter().filter(|l| l.kernel == k).count();
         let layers = 43;
         assert_eq!(count(&fused, "qkv_finish"), layers);
