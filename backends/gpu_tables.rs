@@ -55,14 +55,21 @@ pub fn repack_blocks_into(ty: GgmlType, data: &[u8], out: &mut [u8]) {
         out.copy_from_slice(data);
         return;
     };
+    use rayon::prelude::*;
     let blocks = data.len() / bb;
     let (quants, rest) = out[..blocks * bb].split_at_mut(blocks * nq);
     let nr = bb - nq;
-    for (i, b) in data.chunks_exact(bb).enumerate() {
-        quants[nq * i..nq * (i + 1)].copy_from_slice(&b[at..at + nq]);
-        rest[nr * i..nr * i + at].copy_from_slice(&b[..at]);
-        rest[nr * i + at..nr * (i + 1)].copy_from_slice(&b[at + nq..]);
-    }
+    // In runs of blocks on every core: a model's weights are gigabytes.
+    const RUN: usize = 4096;
+    quants.par_chunks_mut(RUN * nq).zip(rest.par_chunks_mut(RUN * nr)).zip(data.par_chunks(RUN * bb)).for_each(
+        |((quants, rest), data)| {
+            for (i, b) in data.chunks_exact(bb).enumerate() {
+                quants[nq * i..nq * (i + 1)].copy_from_slice(&b[at..at + nq]);
+                rest[nr * i..nr * i + at].copy_from_slice(&b[..at]);
+                rest[nr * i + at..nr * (i + 1)].copy_from_slice(&b[at + nq..]);
+            }
+        },
+    );
 }
 
 /// The IQ2_XXS grid (256 entries of 8 bytes), little-endian.

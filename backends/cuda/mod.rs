@@ -473,7 +473,7 @@ mod imp {
                 .map_err(drv("cannot read the device's attributes"))?
                 == 1;
             let mode = opts.placement.mode.or(integrated.then_some(PlacementMode::Unified));
-            let placed = placement::plan_for(&footprint, budget, mode).map_err(|e| err(e.to_string()))?;
+            let mut placed = placement::plan_for(&footprint, budget, mode).map_err(|e| err(e.to_string()))?;
             let moe = moe_layers(&program);
             // Expert cache slots per MoE layer: what the cache bytes hold, at most every expert.
             let n_slots = match placed.placement {
@@ -593,6 +593,10 @@ mod imp {
                 }
             }
             let expert_bytes = moe.first().map_or(0, |l| l.pieces.iter().map(|p| p.0 + p.1).sum());
+            if let Placement::HostExperts { cache } = &mut placed.placement {
+                // What the slots take, not what the budget left.
+                *cache = n_slots as u64 * moe.iter().map(|l| l.slot_bytes).sum::<u64>();
+            }
             let mut report = placed.table();
             match placed.placement {
                 Placement::HostExperts { .. } => {
