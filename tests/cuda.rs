@@ -49,6 +49,25 @@ fn compare_on(
     b.executable().expert_cache_stats()
 }
 
+/// A budget below what must stay in device memory is refused before anything is uploaded, with
+/// a message that names the sizes; a budget above the free memory likewise.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn a_budget_too_small_or_too_large_is_refused_by_name() {
+    use ds4::placement::PlacementRequest;
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    for (budget, words) in [(1u64 << 20, ["cannot run in 1.0 MiB", "dense weights"]), (1 << 50, ["exceeds", "free"])] {
+        let placement = PlacementRequest { budget: Some(budget), ..Default::default() };
+        let opts = BackendOptions { numerics: Numerics::Canonical, placement, ..Default::default() };
+        let gpu = backend::create(BackendKind::Cuda, opts).expect("this test needs an NVIDIA GPU");
+        let msg = match Session::new(model.clone(), gpu.as_ref(), 256) {
+            Ok(_) => panic!("a budget of {budget} bytes was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(words.iter().all(|w| msg.contains(w)), "{msg}");
+    }
+}
+
 /// Every placement of the weights gives the canonical CPU's logits: routed experts in host
 /// memory read in place (no cache slot), through a cache of one slot (fewer than a token uses:
 /// copies, evictions and reads in place) and of more slots than a token uses (hits), and every
