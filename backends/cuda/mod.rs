@@ -355,6 +355,10 @@ mod imp {
         block: u32,
         cond: u64,
         args: Vec<u64>,
+        /// Stream placement (plan::mark_side_branches).
+        side: bool,
+        fork: bool,
+        join: bool,
     }
 
     enum GraphState {
@@ -402,6 +406,8 @@ mod imp {
         sample_fn: CudaFunction,
         /// The 4-byte token id it writes.
         sampled: CudaSlice<u32>,
+        /// The side stream and the fork and join events, when the plan has side launches.
+        branches: Option<(Arc<CudaStream>, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
     }
 
     impl CudaExecutable {
@@ -696,6 +702,9 @@ mod imp {
                         block: l.block,
                         cond: l.cond,
                         args: a,
+                        side: l.side,
+                        fork: l.fork,
+                        join: l.join,
                     });
                 }
                 Ok(launches)
@@ -705,6 +714,15 @@ mod imp {
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
             let sample_fn = module.load_function("sample_token").map_err(drv("kernel 'sample_token' is missing"))?;
             let sampled = stream.alloc_zeros::<u32>(1).map_err(drv("cannot allocate the sampled token"))?;
+            let branches =
+                if launches.iter().any(|l| l.side) && std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0") {
+                    let side = ctx.new_stream().map_err(drv("cannot create a stream"))?;
+                    let fork = ctx.new_event(None).map_err(drv("cannot create an event"))?;
+                    let join = ctx.new_event(None).map_err(drv("cannot create an event"))?;
+                    Some((side, fork, join))
+                } else {
+                    None
+                };
 
             let mut exe = CudaExecutable {
                 program,
@@ -729,6 +747,7 @@ mod imp {
                 pdl: major >= 9 && std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
                 sample_fn,
                 sampled,
+                branches,
             };
             exe.reset()?;
             Ok(exe)
@@ -738,8 +757,27 @@ mod imp {
             self.arena.device_ptr(&self.stream).0 + self.offsets[b.0 as usize] as u64
         }
 
+        /// Launches the whole token: the fused launches, the shared experts' runs on the side
+        /// stream, forked from and joined back into the main stream (a captured graph keeps
+        /// them as parallel branches). `DS4_CUDA_BRANCHES=0` keeps everything on one stream.
         fn launch_all(&self) -> Result<(), result::DriverError> {
-            self.launch_ops(0..usize::MAX)
+            let Some((side, fork, join)) = &self.branches else {
+                return self.launch_ops(0..usize::MAX);
+            };
+            for l in &self.launches {
+                if l.fork {
+                    fork.record(&self.stream)?;
+                    side.wait(fork)?;
+                }
+                if l.join {
+                    join.record(side)?;
+                    self.stream.wait(join)?;
+                }
+                let stream = if l.side { side } else { &self.stream };
+                let p = self.params.device_ptr(&self.stream).0;
+                launch_with(stream, &l.func, p, l.grid, l.block, l.cond, &l.args, self.pdl)?;
+            }
+            Ok(())
         }
 
         /// Launches the kernels of the recorded ops in `ops`: the fused launches when none of them

@@ -2,6 +2,7 @@
 //! same kernel, grid and arguments for every token. Per-token work is decided on the device
 //! from `StepParams` (predicates and loop bounds), which is what lets one CUDA graph replay it.
 
+use super::args::PtrRef;
 use super::args::{self, *};
 use crate::model::RopeParams;
 use crate::numerics;
@@ -55,6 +56,12 @@ pub struct Launch {
     pub args: Vec<u64>,
     /// Which words of `args` are pointers to resolve.
     pub ptr_words: Vec<usize>,
+    /// Runs on the side stream, beside the main stream's launches (see [`mark_side_branches`]).
+    pub side: bool,
+    /// The side stream first waits for the main stream's work before this launch.
+    pub fork: bool,
+    /// The main stream first waits for the side stream's work so far.
+    pub join: bool,
 }
 
 /// The launches of a program and the scratch bytes they need.
@@ -131,6 +138,9 @@ impl<'a> Builder<'a> {
             cond: self.cond,
             args,
             ptr_words,
+            side: false,
+            fork: false,
+            join: false,
         });
     }
     fn need(&mut self, s: Scratch, bytes: usize) {
@@ -1110,7 +1120,83 @@ pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, S
             b.q8k_of = None;
         }
     }
-    Ok(Plan { launches: b.launches, scratch: b.need, ropes: b.ropes })
+    let mut plan = Plan { launches: b.launches, scratch: b.need, ropes: b.ropes };
+    if fuse {
+        mark_side_branches(program, &mut plan.launches);
+    }
+    Ok(plan)
+}
+
+/// The shared expert of each MoE layer (gate + up, SwiGLU, down) does not depend on the routed
+/// experts (router, selection, experts) and they do not depend on it: both read the FFN norm and
+/// its quantizations, and the Add after them joins their outputs. Their launches run on two
+/// streams, so the shared expert's matvecs stream their weights while the expert kernels, which
+/// leave bandwidth unused, run (graph capture turns the fork and join into graph edges). A layer
+/// branches only when its launches are exactly the two runs, one after the other, and share no
+/// buffer either run writes and no scratch; otherwise it stays on one stream. Each kernel computes
+/// what it computed before, so the bits cannot change.
+pub fn mark_side_branches(program: &Program, launches: &mut [Launch]) {
+    let steps = program.steps();
+    for m in 0..steps.len() {
+        if !matches!(steps[m].op, Op::MoeExperts { .. }) || m < 2 || m + 5 >= steps.len() {
+            continue;
+        }
+        let shape_ok = matches!(steps[m - 2].op, Op::MatVec { .. })
+            && matches!(steps[m - 1].op, Op::RouterSelect { .. })
+            && matches!(steps[m + 1].op, Op::MatVec { .. })
+            && matches!(steps[m + 2].op, Op::MatVec { .. })
+            && matches!(steps[m + 3].op, Op::SwiGlu { .. })
+            && matches!(steps[m + 4].op, Op::MatVec { .. })
+            && matches!(steps[m + 5].op, Op::Add { .. })
+            && (m - 2..=m + 4).all(|k| steps[k].cond.is_none());
+        if !shape_ok {
+            continue;
+        }
+        let (routed, shared) = (m - 2..=m, m + 1..=m + 4);
+        let Some(first) = launches.iter().position(|l| l.ops.iter().any(|k| routed.contains(k))) else { continue };
+        let run = |from: usize, ops: &std::ops::RangeInclusive<usize>| {
+            launches[from..].iter().take_while(|l| l.ops.iter().all(|k| ops.contains(k))).count()
+        };
+        let n_routed = run(first, &routed);
+        let n_shared = run(first + n_routed, &shared);
+        let after = first + n_routed + n_shared;
+        let covered = |a: usize, n: usize, ops: &std::ops::RangeInclusive<usize>| {
+            ops.clone().all(|k| launches[a..a + n].iter().any(|l| l.ops.contains(&k)))
+        };
+        if n_routed == 0
+            || n_shared == 0
+            || after >= launches.len()
+            || !covered(first, n_routed, &routed)
+            || !covered(first + n_routed, n_shared, &shared)
+            || !launches[after].ops.contains(&(m + 5))
+        {
+            continue;
+        }
+        let written: Vec<Buf> = (m - 2..=m + 4).flat_map(|k| steps[k].op.writes()).collect();
+        let refs = |from: usize, n: usize| -> Vec<PtrRef> {
+            launches[from..from + n]
+                .iter()
+                .flat_map(|l| l.ptr_words.iter().filter_map(|&w| Ptr(l.args[w]).reference()))
+                .collect()
+        };
+        let (a, b) = (refs(first, n_routed), refs(first + n_routed, n_shared));
+        let conflict = a.iter().any(|r| {
+            b.contains(r)
+                && match *r {
+                    PtrRef::Null | PtrRef::Weight(_) | PtrRef::Grid | PtrRef::Rope(_) => false,
+                    PtrRef::Buf(x) => written.contains(&Buf(x)),
+                    _ => true,
+                }
+        });
+        if conflict {
+            continue;
+        }
+        launches[first].fork = true;
+        for l in &mut launches[first + n_routed..after] {
+            l.side = true;
+        }
+        launches[after].join = true;
+    }
 }
 
 #[cfg(test)]
@@ -1183,6 +1269,38 @@ mod tests {
                 }
             }
             assert!(ops_seen.iter().all(|&s| s == 1), "every recorded op is computed by exactly one group of launches");
+        }
+    }
+
+    /// Every MoE layer of the token's (fused) plan forks once: the shared expert's launches, and
+    /// only they, run on the side stream right after the routed experts' launches, and the launch
+    /// holding the Add joins them; the one-op-per-launch plan stays on one stream.
+    #[test]
+    fn each_moe_layer_runs_its_shared_expert_beside_the_routed_ones() {
+        for preset in [Preset::small(), Preset::flash_4l()] {
+            let model = synth::device_model(&preset, 1).unwrap();
+            let program = record_token(&model, Caps { ctx: 128 }).unwrap();
+            let steps = program.steps();
+            let moe: Vec<usize> = (0..steps.len()).filter(|&k| matches!(steps[k].op, Op::MoeExperts { .. })).collect();
+            let layers = moe.len();
+            for cache in [false, true] {
+                let plan = plan(&program, true, cache).unwrap();
+                let l = &plan.launches;
+                assert_eq!(l.iter().filter(|l| l.fork).count(), layers);
+                assert_eq!(l.iter().filter(|l| l.join).count(), layers);
+                for (i, x) in l.iter().enumerate().filter(|(_, x)| x.side) {
+                    for &k in &x.ops {
+                        // The shared expert's four ops follow the routed experts' op.
+                        let shared = moe.iter().any(|&m| (m + 1..=m + 4).contains(&k));
+                        assert!(shared, "side launch {i} ({}) computes op {k} {:?}", x.kernel, steps[k].op);
+                    }
+                    // A side run ends at a join; it starts after a fork's routed run.
+                    assert!(l[i + 1].side || l[i + 1].join, "launch {i}");
+                    assert!(l[i - 1].side || (i >= 1 && l[..i].iter().rev().any(|y| y.fork)));
+                }
+                assert!(l.iter().filter(|l| l.side).count() >= 3 * layers);
+            }
+            assert!(plan(&program, false, false).unwrap().launches.iter().all(|l| !l.side && !l.fork && !l.join));
         }
     }
 
