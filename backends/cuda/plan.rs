@@ -1127,76 +1127,105 @@ pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, S
     Ok(plan)
 }
 
-/// The shared expert of each MoE layer (gate + up, SwiGLU, down) does not depend on the routed
-/// experts (router, selection, experts) and they do not depend on it: both read the FFN norm and
-/// its quantizations, and the Add after them joins their outputs. Their launches run on two
-/// streams, so the shared expert's matvecs stream their weights while the expert kernels, which
-/// leave bandwidth unused, run (graph capture turns the fork and join into graph edges). A layer
-/// branches only when its launches are exactly the two runs, one after the other, and share no
-/// buffer either run writes and no scratch; otherwise it stays on one stream. Each kernel computes
-/// what it computed before, so the bits cannot change.
+/// Two runs of ops that do not depend on each other go on two streams, so one's matvecs stream
+/// their weights while the other's kernels, which leave bandwidth unused, run (graph capture turns
+/// the fork and join into graph edges):
+/// - the shared expert of each MoE layer (gate + up, SwiGLU, down) beside the router and the routed
+///   experts: both read the FFN norm and its quantizations, and the Add after them joins them;
+/// - the compressor lanes of a compressed layer (their projections and window updates, which read
+///   the attention norm and write only their own state) beside the query and KV path (q_a, q_b,
+///   the head norms, RoPE, the raw-ring store), joined before the indexer or the attention.
+///
+/// A pair branches only when its launches are exactly the two runs, one after the other, and share
+/// no buffer either run writes and no scratch; otherwise it stays on one stream. Each kernel
+/// computes what it computed before, so the bits cannot change.
 pub fn mark_side_branches(program: &Program, launches: &mut [Launch]) {
     let steps = program.steps();
+    let is = |k: usize, f: fn(&Op) -> bool| k < steps.len() && f(&steps[k].op);
     for m in 0..steps.len() {
-        if !matches!(steps[m].op, Op::MoeExperts { .. }) || m < 2 || m + 5 >= steps.len() {
-            continue;
-        }
-        let shape_ok = matches!(steps[m - 2].op, Op::MatVec { .. })
-            && matches!(steps[m - 1].op, Op::RouterSelect { .. })
-            && matches!(steps[m + 1].op, Op::MatVec { .. })
-            && matches!(steps[m + 2].op, Op::MatVec { .. })
-            && matches!(steps[m + 3].op, Op::SwiGlu { .. })
-            && matches!(steps[m + 4].op, Op::MatVec { .. })
-            && matches!(steps[m + 5].op, Op::Add { .. })
-            && (m - 2..=m + 4).all(|k| steps[k].cond.is_none());
-        if !shape_ok {
-            continue;
-        }
-        let (routed, shared) = (m - 2..=m, m + 1..=m + 4);
-        let Some(first) = launches.iter().position(|l| l.ops.iter().any(|k| routed.contains(k))) else { continue };
-        let run = |from: usize, ops: &std::ops::RangeInclusive<usize>| {
-            launches[from..].iter().take_while(|l| l.ops.iter().all(|k| ops.contains(k))).count()
-        };
-        let n_routed = run(first, &routed);
-        let n_shared = run(first + n_routed, &shared);
-        let after = first + n_routed + n_shared;
-        let covered = |a: usize, n: usize, ops: &std::ops::RangeInclusive<usize>| {
-            ops.clone().all(|k| launches[a..a + n].iter().any(|l| l.ops.contains(&k)))
-        };
-        if n_routed == 0
-            || n_shared == 0
-            || after >= launches.len()
-            || !covered(first, n_routed, &routed)
-            || !covered(first + n_routed, n_shared, &shared)
-            || !launches[after].ops.contains(&(m + 5))
+        // The FFN half: router matvec, select, experts | shared gate, up, SwiGLU, down | Add.
+        if is(m, |o| matches!(o, Op::MoeExperts { .. }))
+            && m >= 2
+            && is(m - 2, |o| matches!(o, Op::MatVec { .. }))
+            && is(m - 1, |o| matches!(o, Op::RouterSelect { .. }))
+            && is(m + 1, |o| matches!(o, Op::MatVec { .. }))
+            && is(m + 2, |o| matches!(o, Op::MatVec { .. }))
+            && is(m + 3, |o| matches!(o, Op::SwiGlu { .. }))
+            && is(m + 4, |o| matches!(o, Op::MatVec { .. }))
+            && is(m + 5, |o| matches!(o, Op::Add { .. }))
         {
-            continue;
+            try_branch(program, launches, m - 2..=m, m + 1..=m + 4);
         }
-        let written: Vec<Buf> = (m - 2..=m + 4).flat_map(|k| steps[k].op.writes()).collect();
-        let refs = |from: usize, n: usize| -> Vec<PtrRef> {
-            launches[from..from + n]
-                .iter()
-                .flat_map(|l| l.ptr_words.iter().filter_map(|&w| Ptr(l.args[w]).reference()))
-                .collect()
-        };
-        let (a, b) = (refs(first, n_routed), refs(first + n_routed, n_shared));
-        let conflict = a.iter().any(|r| {
-            b.contains(r)
-                && match *r {
-                    PtrRef::Null | PtrRef::Weight(_) | PtrRef::Grid | PtrRef::Rope(_) => false,
-                    PtrRef::Buf(x) => written.contains(&Buf(x)),
-                    _ => true,
-                }
-        });
-        if conflict {
-            continue;
+        // The attention half: q_a, its norm, q_b, head norms, kv, its norm, RoPE x2, fp8, ring
+        // store | the compressor lanes' ops, up to the indexer or the attention.
+        if is(m, |o| matches!(o, Op::StoreRaw { .. })) && m >= 9 && is(m - 9, |o| matches!(o, Op::MatVec { .. })) {
+            let end = (m + 1..steps.len())
+                .find(|&k| {
+                    matches!(steps[k].op, Op::Attention { .. })
+                        || matches!(steps[k].cond, Some(Cond::IndexerActive { .. }))
+                })
+                .unwrap_or(steps.len());
+            if end > m + 1 {
+                try_branch(program, launches, m - 9..=m, m + 1..=end - 1);
+            }
         }
-        launches[first].fork = true;
-        for l in &mut launches[first + n_routed..after] {
-            l.side = true;
-        }
-        launches[after].join = true;
     }
+}
+
+/// Puts the launches of `side` ops on the side stream beside those of `main` ops, if the launch
+/// list holds them as two whole runs, `main` then `side`, followed by another launch, and the runs
+/// share nothing either writes. Returns whether it did.
+fn try_branch(
+    program: &Program,
+    launches: &mut [Launch],
+    main: std::ops::RangeInclusive<usize>,
+    side: std::ops::RangeInclusive<usize>,
+) -> bool {
+    let steps = program.steps();
+    let Some(first) = launches.iter().position(|l| l.ops.iter().any(|k| main.contains(k))) else { return false };
+    let run = |from: usize, ops: &std::ops::RangeInclusive<usize>| {
+        launches[from..].iter().take_while(|l| l.ops.iter().all(|k| ops.contains(k))).count()
+    };
+    let n_main = run(first, &main);
+    let n_side = run(first + n_main, &side);
+    let after = first + n_main + n_side;
+    let covered = |a: usize, n: usize, ops: &std::ops::RangeInclusive<usize>| {
+        ops.clone().all(|k| launches[a..a + n].iter().any(|l| l.ops.contains(&k)))
+    };
+    if n_main == 0
+        || n_side == 0
+        || after >= launches.len()
+        || !covered(first, n_main, &main)
+        || !covered(first + n_main, n_side, &side)
+        || launches[first..after].iter().any(|l| l.side || l.fork || l.join)
+    {
+        return false;
+    }
+    let written: Vec<Buf> = main.clone().chain(side.clone()).flat_map(|k| steps[k].op.writes()).collect();
+    let refs = |from: usize, n: usize| -> Vec<PtrRef> {
+        launches[from..from + n]
+            .iter()
+            .flat_map(|l| l.ptr_words.iter().filter_map(|&w| Ptr(l.args[w]).reference()))
+            .collect()
+    };
+    let (a, b) = (refs(first, n_main), refs(first + n_main, n_side));
+    let conflict = a.iter().any(|r| {
+        b.contains(r)
+            && match *r {
+                PtrRef::Null | PtrRef::Weight(_) | PtrRef::Grid | PtrRef::Rope(_) => false,
+                PtrRef::Buf(x) => written.contains(&Buf(x)),
+                _ => true,
+            }
+    });
+    if conflict {
+        return false;
+    }
+    launches[first].fork = true;
+    for l in &mut launches[first + n_main..after] {
+        l.side = true;
+    }
+    launches[after].join = true;
+    true
 }
 
 #[cfg(test)]
@@ -1272,33 +1301,50 @@ mod tests {
         }
     }
 
-    /// Every MoE layer of the token's (fused) plan forks once: the shared expert's launches, and
-    /// only they, run on the side stream right after the routed experts' launches, and the launch
-    /// holding the Add joins them; the one-op-per-launch plan stays on one stream.
+    /// Every MoE layer of the token's (fused) plan forks once, and so does every compressed
+    /// layer's attention half: the shared expert's launches, or the compressor lanes' launches,
+    /// and only they, run on the side stream right after the main run, and the next launch joins
+    /// them; the one-op-per-launch plan stays on one stream.
     #[test]
-    fn each_moe_layer_runs_its_shared_expert_beside_the_routed_ones() {
+    fn shared_experts_and_compressors_run_beside_the_main_path() {
         for preset in [Preset::small(), Preset::flash_4l()] {
             let model = synth::device_model(&preset, 1).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
             let steps = program.steps();
             let moe: Vec<usize> = (0..steps.len()).filter(|&k| matches!(steps[k].op, Op::MoeExperts { .. })).collect();
-            let layers = moe.len();
+            // (first, last) op of each layer's compressor run: after the ring store, before the
+            // indexer's predicated ops or the attention.
+            let comp: Vec<(usize, usize)> = (0..steps.len())
+                .filter(|&k| matches!(steps[k].op, Op::StoreRaw { .. }))
+                .filter_map(|k| {
+                    let end = (k + 1..steps.len()).find(|&e| {
+                        matches!(steps[e].op, Op::Attention { .. })
+                            || matches!(steps[e].cond, Some(Cond::IndexerActive { .. }))
+                    })?;
+                    (end > k + 1).then_some((k + 1, end - 1))
+                })
+                .collect();
+            assert!(!comp.is_empty());
             for cache in [false, true] {
                 let plan = plan(&program, true, cache).unwrap();
                 let l = &plan.launches;
-                assert_eq!(l.iter().filter(|l| l.fork).count(), layers);
-                assert_eq!(l.iter().filter(|l| l.join).count(), layers);
+                assert_eq!(l.iter().filter(|l| l.fork).count(), moe.len() + comp.len());
+                assert_eq!(l.iter().filter(|l| l.join).count(), moe.len() + comp.len());
                 for (i, x) in l.iter().enumerate().filter(|(_, x)| x.side) {
                     for &k in &x.ops {
-                        // The shared expert's four ops follow the routed experts' op.
                         let shared = moe.iter().any(|&m| (m + 1..=m + 4).contains(&k));
-                        assert!(shared, "side launch {i} ({}) computes op {k} {:?}", x.kernel, steps[k].op);
+                        let compressor = comp.iter().any(|&(a, b)| (a..=b).contains(&k));
+                        assert!(
+                            shared || compressor,
+                            "side launch {i} ({}) computes op {k} {:?}",
+                            x.kernel,
+                            steps[k].op
+                        );
                     }
-                    // A side run ends at a join; it starts after a fork's routed run.
+                    // A side run ends at a join and starts after a fork.
                     assert!(l[i + 1].side || l[i + 1].join, "launch {i}");
-                    assert!(l[i - 1].side || (i >= 1 && l[..i].iter().rev().any(|y| y.fork)));
+                    assert!(l[..i].iter().rev().find(|y| !y.side).is_some_and(|_| l[..i].iter().any(|y| y.fork)));
                 }
-                assert!(l.iter().filter(|l| l.side).count() >= 3 * layers);
             }
             assert!(plan(&program, false, false).unwrap().launches.iter().all(|l| !l.side && !l.fork && !l.join));
         }
