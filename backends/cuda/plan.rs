@@ -999,6 +999,9 @@ fn comp_ratio(b: crate::recorder::Bound) -> Result<u32, String> {
 /// Plans every op of `program`, in order. With `fuse`, runs of ops share launches (the plan a
 /// token and its graph use); without, every launch computes one op (for running a range of ops).
 pub fn plan(program: &Program, fuse: bool) -> Result<Plan, String> {
+    if program.rows() > 1 {
+        return Err(format!("{} (a chunk program of {} rows)", crate::backend::NO_CHUNK_PROGRAMS, program.rows()));
+    }
     let mut b = Builder {
         program,
         fuse,
@@ -1045,6 +1048,15 @@ mod tests {
     use crate::gguf::File;
     use crate::model::Model;
     use crate::synth::{self, Preset};
+
+    /// Batched prefill is CPU-only for now: a chunk program is refused with a message saying so.
+    #[test]
+    fn chunk_programs_are_refused() {
+        let model = Model::from_file(File::from_bytes("t", synth::build(&Preset::tiny(), 1)).unwrap()).unwrap();
+        let chunk = crate::decode::record(&model, Caps { ctx: 64 }, 8, 8).unwrap();
+        let e = plan(&chunk, true).err().expect("refused");
+        assert!(e.contains("CPU-only for now") && e.contains("8 rows"), "{e}");
+    }
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
     fn kernel_signatures() -> Vec<(String, String)> {
