@@ -377,26 +377,46 @@ impl<'a> Ctx<'a> {
                     let (q, d) = (&mut xq[k * x_len..(k + 1) * x_len], &mut xd[k * x_len / 32..(k + 1) * x_len / 32]);
                     quant::quantize_q8_0(&xv[r * x_len..(r + 1) * x_len], q, d);
                 }
-                let dot = if canonical { quant::dot_q8_0_canonical } else { quant::dot_q8_0 };
+                // Each weight row is decoded once and dotted with every row's activation: the
+                // bits of `dot_q8_0` (or its canonical form), without decoding the row n times.
+                let mut x16 = vec![0i16; xq.len()];
+                quant::widen(&xq, &mut x16);
                 tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
+                    let mut row = quant::DecodedRow::default();
                     for (j, o) in chunk.chunks_mut(n).enumerate() {
                         let r = c * ROWS_PER_TASK + j;
                         let at = (r / rows_per_group) * in_dim;
-                        let row = &data[r * rb..(r + 1) * rb];
+                        row.load(GgmlType::Q8_0, &data[r * rb..(r + 1) * rb]);
                         for (k, v) in o.iter_mut().enumerate() {
                             let base = k * x_len + at;
-                            *v = dot(row, &xq[base..base + in_dim], &xd[base / 32..(base + in_dim) / 32]);
+                            *v = row.dot_q8_0(
+                                &x16[base..base + in_dim],
+                                &xd[base / 32..(base + in_dim) / 32],
+                                canonical,
+                            );
                         }
                     }
                 });
             }
-            GgmlType::F16 | GgmlType::F32 => {
-                let dot = match (t.ty, canonical) {
-                    (GgmlType::F16, false) => quant::dot_f16_f32,
-                    (GgmlType::F16, true) => quant::dot_f16_f32_canonical,
-                    (_, false) => quant::dot_f32_f32,
-                    (_, true) => quant::dot_f32_f32_canonical,
-                };
+            GgmlType::F16 => {
+                // Each weight row is converted to f32 once (exact) for all the rows' dots.
+                tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
+                    let mut w32 = vec![0f32; in_dim];
+                    for (j, o) in chunk.chunks_mut(n).enumerate() {
+                        let r = c * ROWS_PER_TASK + j;
+                        let at = (r / rows_per_group) * in_dim;
+                        let row = &data[r * rb..(r + 1) * rb];
+                        for (d, b) in w32.iter_mut().zip(row.chunks_exact(2)) {
+                            *d = quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                        }
+                        let xs: Vec<&[f32]> =
+                            rows.iter().map(|&t| &xv[t * x_len + at..t * x_len + at + in_dim]).collect();
+                        quant::dot_f16_rows(&w32, &xs, o, canonical);
+                    }
+                });
+            }
+            GgmlType::F32 => {
+                let dot = if canonical { quant::dot_f32_f32_canonical } else { quant::dot_f32_f32 };
                 tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
                     for (j, o) in chunk.chunks_mut(n).enumerate() {
                         let r = c * ROWS_PER_TASK + j;
@@ -459,9 +479,17 @@ impl<'a> Ctx<'a> {
         for (k, &r) in rows.iter().enumerate() {
             quant::quantize_q8_k(&self.f_all(x)[r * x_len..r * x_len + in_dim], &mut xq[k * nb..(k + 1) * nb]);
         }
+        let mut x16 = vec![0i16; n * in_dim];
+        for (b, o) in xq.iter().zip(x16.chunks_exact_mut(QK_K)) {
+            quant::widen(&b.qs, o);
+        }
         let (g_rb, u_rb, d_rb) = (gt.ty.row_bytes(in_dim), ut.ty.row_bytes(in_dim), dt.ty.row_bytes(ff));
         let c = math.canonical;
-        let (gdot, udot, ddot) = (expert_dot(gt.ty, c)?, expert_dot(ut.ty, c)?, expert_dot(dt.ty, c)?);
+        let (gdot, udot, ddot) = (
+            RowDot::new(gt.ty, expert_dot(gt.ty, c)?, c),
+            RowDot::new(ut.ty, expert_dot(ut.ty, c)?, c),
+            RowDot::new(dt.ty, expert_dot(dt.ty, c)?, c),
+        );
 
         // Gate and up: per expert, [ff row][pair].
         let mids: Vec<Vec<f32>> = pairs
@@ -474,13 +502,14 @@ impl<'a> Ctx<'a> {
                     return m;
                 }
                 m.par_chunks_mut(ROWS_PER_TASK * np).enumerate().for_each(|(c, chunk)| {
+                    let (mut g, mut u) = (gdot.clone(), udot.clone());
                     for (j, o) in chunk.chunks_mut(np).enumerate() {
                         let f = c * ROWS_PER_TASK + j;
-                        let grow = &gd[(e * ff + f) * g_rb..(e * ff + f + 1) * g_rb];
-                        let urow = &ud[(e * ff + f) * u_rb..(e * ff + f + 1) * u_rb];
+                        g.load(&gd[(e * ff + f) * g_rb..(e * ff + f + 1) * g_rb]);
+                        u.load(&ud[(e * ff + f) * u_rb..(e * ff + f + 1) * u_rb]);
                         for (v, &(k, i)) in o.iter_mut().zip(ps) {
-                            let xk = &xq[k * nb..(k + 1) * nb];
-                            *v = swiglu(math, gdot(grow, xk), udot(urow, xk), clamp) * ew[rows[k] * n_used + i];
+                            let (xk, x16k) = (&xq[k * nb..(k + 1) * nb], &x16[k * in_dim..(k + 1) * in_dim]);
+                            *v = swiglu(math, g.dot(xk, x16k), u.dot(xk, x16k), clamp) * ew[rows[k] * n_used + i];
                         }
                     }
                 });
@@ -501,6 +530,10 @@ impl<'a> Ctx<'a> {
         for (m, q) in mid.chunks_exact(ff).zip(midq.chunks_exact_mut(fb)) {
             quant::quantize_q8_k(m, q);
         }
+        let mut mid16 = vec![0i16; n * n_used * ff];
+        for (b, o) in midq.iter().zip(mid16.chunks_exact_mut(QK_K)) {
+            quant::widen(&b.qs, o);
+        }
 
         // Down: per expert, [out row][pair]; then each row sums its slots in order.
         let downs: Vec<Vec<f32>> = pairs
@@ -513,12 +546,14 @@ impl<'a> Ctx<'a> {
                     return d;
                 }
                 d.par_chunks_mut(ROWS_PER_TASK * np).enumerate().for_each(|(c, chunk)| {
+                    let mut dw = ddot.clone();
                     for (j, o) in chunk.chunks_mut(np).enumerate() {
                         let r = c * ROWS_PER_TASK + j;
                         let base = (e * out_dim + r) * d_rb;
+                        dw.load(&dd[base..base + d_rb]);
                         for (v, &(k, i)) in o.iter_mut().zip(ps) {
                             let slot = k * n_used + i;
-                            *v = ddot(&dd[base..base + d_rb], &midq[slot * fb..(slot + 1) * fb]);
+                            *v = dw.dot(&midq[slot * fb..(slot + 1) * fb], &mid16[slot * ff..(slot + 1) * ff]);
                         }
                     }
                 });
@@ -857,6 +892,42 @@ impl<'a> Ctx<'a> {
 }
 
 type ExpertDot = fn(&[u8], &[BlockQ8K]) -> f32;
+
+/// One expert weight row at a time against many Q8_K activations: decoded once where the type
+/// has a decoded form ([`quant::DecodedRow`], the same bits), else through the row dot.
+struct RowDot<'r> {
+    ty: GgmlType,
+    dot: ExpertDot,
+    canonical: bool,
+    raw: &'r [u8],
+    decoded: Option<quant::DecodedRow>,
+}
+
+impl Clone for RowDot<'_> {
+    fn clone(&self) -> Self {
+        RowDot::new(self.ty, self.dot, self.canonical)
+    }
+}
+
+impl<'r> RowDot<'r> {
+    fn new(ty: GgmlType, dot: ExpertDot, canonical: bool) -> Self {
+        let decoded = quant::DecodedRow::supports(ty).then(quant::DecodedRow::default);
+        RowDot { ty, dot, canonical, raw: &[], decoded }
+    }
+    fn load(&mut self, row: &'r [u8]) {
+        match &mut self.decoded {
+            Some(d) => d.load(self.ty, row),
+            None => self.raw = row,
+        }
+    }
+    /// The row's dot with `y`, whose quants widened are `y16`.
+    fn dot(&self, y: &[BlockQ8K], y16: &[i16]) -> f32 {
+        match &self.decoded {
+            Some(d) => d.dot_q8_k(y, y16, self.canonical),
+            None => (self.dot)(self.raw, y),
+        }
+    }
+}
 
 fn expert_dot(ty: GgmlType, canonical: bool) -> Result<ExpertDot, String> {
     match (ty, canonical) {
