@@ -32,7 +32,15 @@ pub trait Backend {
     fn describe(&self) -> Option<String> {
         None
     }
+    /// Prompt tokens per prefill chunk when the user does not say. 1 means the backend has no
+    /// chunk programs ([`Executable::attach_chunk`]) and prefills token by token.
+    fn default_prefill_chunk(&self) -> usize {
+        1
+    }
 }
+
+/// What a backend without chunk programs says when asked for one.
+pub const NO_CHUNK_PROGRAMS: &str = "batched prefill is CPU-only for now: this backend runs no chunk programs yet";
 
 /// A compiled program, replayed once per token.
 pub trait Executable {
@@ -41,6 +49,26 @@ pub trait Executable {
     /// Runs one token with these parameters. A position at or beyond the program's context, or a
     /// token outside the vocabulary, is refused before anything runs ([`Program::check_params`]).
     fn step(&mut self, params: &StepParams) -> Result<(), BackendError>;
+    /// Compiles a chunk program (a prefill chunk of up to `chunk.rows()` tokens, recorded for the
+    /// same session shape as this executable's program) to run on this executable's state: the
+    /// two programs share their state buffers (paired by name, [`Program::state_binding`]),
+    /// nothing is copied between them. Backends without chunk programs refuse.
+    fn attach_chunk(&mut self, chunk: Arc<Program>) -> Result<(), BackendError> {
+        let _ = chunk;
+        Err(BackendError::new("backend", NO_CHUNK_PROGRAMS))
+    }
+    /// Runs the attached chunk program on `tokens` at positions `params.pos ..` (`params.count ==
+    /// tokens.len()`; [`StepParams::chunk`]). Afterwards the program's logits buffer holds the
+    /// logits of the chunk's last token, as if it had been fed by [`Executable::step`].
+    fn step_chunk(&mut self, params: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+        let _ = (params, tokens);
+        Err(BackendError::new("backend", NO_CHUNK_PROGRAMS))
+    }
+    /// The logits of every token of the last chunk, row after row (`count × vocabulary`).
+    fn read_chunk_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        let _ = out;
+        Err(BackendError::new("backend", NO_CHUNK_PROGRAMS))
+    }
     /// Runs only the recorded ops `ops` (by index) of a step, eagerly. For bisecting a difference
     /// between backends (`ds4 check --bisect`); a normal token uses `step`.
     fn step_ops(&mut self, params: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError>;

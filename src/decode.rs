@@ -1,6 +1,28 @@
 //! Records one DS4 decode token in ds4's order: the token head, then per layer the attention
 //! half and the FFN half, then the output head. The program covers every position up to the
 //! context capacity: emits and the indexer are predicated, spans are bounds.
+//!
+//! The same function records a session's **chunk program** (batched prefill): the same ops in
+//! the same order over scratch buffers with one row per token of the chunk (T rows, fixed when
+//! the session is created; a shorter tail chunk is bounded by `StepParams::count`). Each op means
+//! "the decode op, for every row", with predicates and bounds evaluated per row, so each row
+//! computes exactly what a decode step at its position computes. Both programs bind the same
+//! state buffers (the session's KV ring, compressed caches and compressor windows).
+//!
+//! Two things keep the rows of a chunk from stepping on each other's state:
+//! - **The raw ring has `window + T - 1` rows** (at most the context) in a session whose chunks
+//!   hold T tokens, for both programs. A chunk stores all its rows' KV into the ring first, then
+//!   every row attends. Row `r` reads positions `pos_r - window + 1 ..= pos_r`; a later row of the
+//!   same chunk writes position `p <= pos_r + T - 1`, whose ring slot `p % (window + T - 1)` holds
+//!   no position that row `r` reads. So attention over the chunk is a batch op (rows independent),
+//!   and the ring after the chunk is what token-by-token feeding leaves in a ring of that size.
+//!   The decode program reads the same ring the same way (`pos % raw_cap`, the last `window`
+//!   positions), so the extra rows only cost memory.
+//! - **The compressor's window is a row loop** ([`Recorder::in_order`]): its store, pool and
+//!   shift run row by row, in order, because row `r` pools what rows `r-7 ..= r` stored. Its
+//!   projections, before the loop, are batched. The compressed caches are append-only (row
+//!   `(pos+1)/ratio - 1` is written once), and a row reads only the rows its position has
+//!   emitted, so the indexer and attention read them as batch ops.
 
 use std::collections::HashMap;
 
@@ -18,7 +40,13 @@ pub struct Caps {
 impl Caps {
     /// Rows of the raw ring: the sliding window (or the context, if shorter).
     pub fn raw_cap(&self, window: usize) -> u32 {
-        (window as u32).min(self.ctx).max(1)
+        self.ring_rows(window, 1)
+    }
+    /// Rows of the raw ring in a session whose prefill chunks hold up to `chunk` tokens:
+    /// `window + chunk - 1`, so that no row of a chunk overwrites a row an earlier row of the same
+    /// chunk reads (module doc), or the context, if shorter.
+    pub fn ring_rows(&self, window: usize, chunk: u32) -> u32 {
+        (window as u32).saturating_add(chunk.max(1) - 1).min(self.ctx).max(1)
     }
     /// Compressed rows a layer of `ratio` can emit within the context.
     pub fn comp_cap(&self, ratio: u32) -> u32 {
@@ -46,16 +74,30 @@ impl Scratch {
     }
 }
 
-/// Records the token program for `model` at capacity `caps`.
+/// Records the token program for `model` at capacity `caps` (a session that feeds one token at
+/// a time).
 pub fn record_token(model: &Model, caps: Caps) -> Result<Program, String> {
+    record(model, caps, 1, 1)
+}
+
+/// Records one of a session's programs: `rows == 1` the decode program, `rows == chunk` the chunk
+/// program, for a session whose prefill chunks hold up to `chunk` tokens (which sizes the ring).
+/// Both programs of a session are recorded with the same `chunk`, so they bind the same state.
+pub fn record(model: &Model, caps: Caps, rows: u32, chunk: u32) -> Result<Program, String> {
+    if rows != 1 && rows != chunk {
+        return Err(format!("a program has 1 row or the session's chunk of {chunk} rows, not {rows}"));
+    }
+    if chunk == 0 || chunk > caps.ctx {
+        return Err(format!("a prefill chunk holds 1 to {} tokens (the context), not {chunk}", caps.ctx));
+    }
     let cfg = &model.config;
     let w = &model.weights;
-    let mut rec = Recorder::new();
+    let mut rec = Recorder::with_rows(rows);
     let mut s = Scratch { bufs: HashMap::new() };
     let (n_embd, n_hc, hc_dim) = (cfg.n_embd, cfg.n_hc as u32, cfg.hc_dim());
     let mix_dim = cfg.hc_mix_dim();
     let eps = cfg.rms_eps;
-    let raw_cap = caps.raw_cap(cfg.n_swa);
+    let raw_cap = caps.ring_rows(cfg.n_swa, chunk);
 
     // Residual HC state: layer l reads hc[l % 2] and writes hc[(l + 1) % 2].
     let hc = [rec.buffer("hc_a", DType::F32, hc_dim), rec.buffer("hc_b", DType::F32, hc_dim)];
@@ -293,26 +335,29 @@ fn record_compressor(
     let (kw, gw, ape, nw) = (rec.weight(&cw.kv), rec.weight(&cw.gate), rec.weight(&cw.ape), rec.weight(&cw.norm));
     rec.push(Op::MatVec { w: kw, x, out: kv_cur });
     rec.push(Op::MatVec { w: gw, x, out: sc_cur });
-    rec.push(Op::CompressorStore { kv: kv_cur, score: sc_cur, ape, state_kv, state_score, width, ratio });
-    rec.when(Cond::Emit { ratio }, |rec| {
-        rec.push(Op::CompressorPool { state_kv, state_score, out: pooled, head_dim, ratio });
-        rec.push(Op::RmsNorm { x: pooled, weight: Some(nw), out: row, n: head_dim, rows: 1, eps });
-        rec.push(Op::RopeTail {
-            x: row,
-            n_head: 1,
-            head_dim,
-            n_rot,
-            rope,
-            pos: RopePos::CompressedRow { ratio },
-            inverse: false,
+    // The window state carries from one position to the next: row by row in a chunk.
+    rec.in_order(|rec| {
+        rec.push(Op::CompressorStore { kv: kv_cur, score: sc_cur, ape, state_kv, state_score, width, ratio });
+        rec.when(Cond::Emit { ratio }, |rec| {
+            rec.push(Op::CompressorPool { state_kv, state_score, out: pooled, head_dim, ratio });
+            rec.push(Op::RmsNorm { x: pooled, weight: Some(nw), out: row, n: head_dim, rows: 1, eps });
+            rec.push(Op::RopeTail {
+                x: row,
+                n_head: 1,
+                head_dim,
+                n_rot,
+                rope,
+                pos: RopePos::CompressedRow { ratio },
+                inverse: false,
+            });
+            match quant {
+                CompQuant::Fp8 => rec.push(Op::Fp8RoundTrip { x: row, head_dim, n_rot }),
+                CompQuant::IndexerQat => rec.push(Op::IndexerQat { x: row, rows: 1, head_dim }),
+            }
+            rec.push(Op::StoreCompRow { row, cache, row_dim: head_dim, ratio });
+            if ratio == 4 {
+                rec.push(Op::CompressorShift { state_kv, state_score, width, ratio });
+            }
         });
-        match quant {
-            CompQuant::Fp8 => rec.push(Op::Fp8RoundTrip { x: row, head_dim, n_rot }),
-            CompQuant::IndexerQat => rec.push(Op::IndexerQat { x: row, rows: 1, head_dim }),
-        }
-        rec.push(Op::StoreCompRow { row, cache, row_dim: head_dim, ratio });
-        if ratio == 4 {
-            rec.push(Op::CompressorShift { state_kv, state_score, width, ratio });
-        }
     });
 }

@@ -228,14 +228,16 @@ pub struct GenParams {
     pub logits: bool,
 }
 
-/// Prompt tokens fed between two chances to stop a prefill.
+/// Prompt tokens fed, at least, between two chances to stop a prefill (rounded up to whole
+/// prefill chunks of the session).
 const PREFILL_CHUNK: usize = 32;
 
 /// What `generate` reports while it runs.
 #[derive(Debug)]
 pub enum Event<'a> {
     /// `done` of the `total` prompt tokens that need prefilling are in. Returning false stops
-    /// the call at the end of the current chunk of 32 prompt tokens.
+    /// the call at the end of the current piece of the prompt (32 tokens, or whole prefill
+    /// chunks of at least that).
     Prefill { done: usize, total: usize },
     /// The logits after a fed token (only with [`GenParams::logits`]).
     Logits(&'a [f32]),
@@ -292,10 +294,23 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Compiles a session of `ctx` positions on `backend`.
+    /// Compiles a session of `ctx` positions on `backend`, with the backend's prefill chunk.
     pub fn new(loaded: Loaded, backend: &dyn Backend, ctx: usize, threads: usize) -> Result<Engine, EngineError> {
+        Engine::with_prefill_chunk(loaded, backend, ctx, threads, None)
+    }
+
+    /// [`Engine::new`] feeding prompts `chunk` tokens at a time (None: the backend's default;
+    /// 1: token by token). See [`Session::with_prefill_chunk`].
+    pub fn with_prefill_chunk(
+        loaded: Loaded,
+        backend: &dyn Backend,
+        ctx: usize,
+        threads: usize,
+        chunk: Option<usize>,
+    ) -> Result<Engine, EngineError> {
         check_ctx(&loaded, ctx)?;
-        let session = Session::new(loaded.model.clone(), backend, ctx)?;
+        let chunk = chunk.unwrap_or_else(|| backend.default_prefill_chunk());
+        let session = Session::with_prefill_chunk(loaded.model.clone(), backend, ctx, chunk)?;
         let backend_label = if backend.name() == "cpu" {
             let threads = if threads == 0 { rayon::current_num_threads() } else { threads };
             format!("cpu ({threads} threads)")
@@ -415,21 +430,27 @@ impl Engine {
         // A prompt held whole needs nothing fed: the session's state is already after its last
         // token, and sampling starts from there.
         if p.logits {
-            for (i, &t) in suffix.iter().enumerate() {
-                let l = self.session.eval(t)?;
-                fed.push(t);
-                if !(on(Event::Logits(l)) && on(Event::Prefill { done: i + 1, total: suffix.len() })) {
-                    stopped = true;
-                    break;
-                }
+            // One row of logits per token, in prefill chunks; a stop takes effect at the end of
+            // the chunk, where the state still matches `fed`.
+            let total = suffix.len();
+            let n = self.session.feed_with_logits(suffix, |i, l| {
+                let go = on(Event::Logits(l)) && on(Event::Prefill { done: i + 1, total });
+                stopped |= !go;
+                go
+            })?;
+            fed.extend_from_slice(&suffix[..n]);
+            if stopped {
+                stats.prefilled = n;
             }
         } else {
-            // In chunks: a caller that asks to stop (a client gone) stops at the end of the chunk,
+            // In pieces: a caller that asks to stop (a client gone) stops at the end of a piece,
             // where the state still matches `fed`. No logits come back: the first token is
             // sampled after the prompt like every other.
             let total = suffix.len();
-            for (n, chunk) in suffix.chunks(PREFILL_CHUNK).enumerate() {
-                let start = n * PREFILL_CHUNK;
+            let chunk = self.session.prefill_chunk();
+            let piece = chunk * PREFILL_CHUNK.div_ceil(chunk);
+            for (n, chunk) in suffix.chunks(piece).enumerate() {
+                let start = n * piece;
                 let mut go = true;
                 self.session.feed(chunk, |done| go &= on(Event::Prefill { done: start + done, total }))?;
                 fed.extend_from_slice(chunk);

@@ -157,6 +157,10 @@ struct ModelArgs {
     /// is read from host memory in place). Default: as many as the budget holds.
     #[arg(long, value_name = "N")]
     cache_slots: Option<usize>,
+    /// Prompt tokens per prefill step (1: token by token). Default: the backend's (64 on the
+    /// cpu; batched prefill is CPU-only for now, the GPU backends feed token by token).
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    prefill_chunk: Option<usize>,
 }
 
 /// `--tokens` is the generation count (`-n/--tokens N`, as in ds4) or, given a comma list such as
@@ -510,7 +514,7 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Engine, Duration)> {
     let backend = make_backend(m, which, m.numerics)?;
     // The CUDA backend draws its own upload bar.
     let pb = (backend.name() != "cuda").then(|| spinner(&format!("preparing the {} backend", backend.name())));
-    let engine = Engine::new(loaded, backend.as_ref(), m.ctx, m.threads);
+    let engine = Engine::with_prefill_chunk(loaded, backend.as_ref(), m.ctx, m.threads, m.prefill_chunk);
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
@@ -519,9 +523,14 @@ fn start(m: &ModelArgs, which: BackendArg) -> Result<(Engine, Duration)> {
         eprint!("{report}");
     }
     let elapsed = t0.elapsed();
+    for w in engine.take_warnings() {
+        eprintln!("ds4: {w}");
+    }
     let (ops, predicated) = engine.session().program().op_counts();
+    let chunk = engine.session().prefill_chunk();
     eprintln!(
-        "ds4: {} on {} ({} numerics): {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), loaded in {:.2} s",
+        "ds4: {} on {} ({} numerics): {} layers, ctx {}, {ops} ops recorded once ({predicated} predicated), \
+         prefill chunk {chunk}, loaded in {:.2} s",
         engine.loaded.source,
         engine.backend_label,
         backend.numerics(),
@@ -755,7 +764,7 @@ fn cmd_check(mut a: CheckArgs) -> Result<()> {
                 Numerics::Ds4 => NumericsArg::Ds4,
             });
             let b = make_backend(&a.m, a.against, Some(numerics))?;
-            Some(Session::new(loaded.model.clone(), b.as_ref(), a.m.ctx)?)
+            Some(Session::with_prefill_chunk(loaded.model.clone(), b.as_ref(), a.m.ctx, 1)?)
         }
     };
     let token_ids = a.token_ids.as_ref().map(|l| &l.0);
@@ -771,24 +780,38 @@ fn cmd_check(mut a: CheckArgs) -> Result<()> {
         (None, Some(r)) => r.len() / n_vocab,
         (None, None) => a.steps,
     };
+    // The reference feeds token by token (its greedy continuation picks the tokens); the checked
+    // session feeds the same tokens in its prefill chunks (--prefill-chunk), one piece at a time.
+    let piece = session.prefill_chunk();
     let mut worst = 0.0f32;
     let mut bad = 0;
     let mut token = token_ids.map_or(0, |t| t[0]);
-    for step in 0..steps {
-        let got = session.eval(token)?.to_vec();
-        let want: Vec<f32> = match (&reference, other.as_mut()) {
-            (Some(r), _) => r[step * n_vocab..(step + 1) * n_vocab].to_vec(),
-            (None, Some(o)) => o.eval(token)?.to_vec(),
-            (None, None) => unreachable!("one reference exists"),
-        };
-        let d = max_abs_diff(&got, &want);
-        worst = worst.max(d);
-        bad += (d > a.tolerance) as usize;
-        println!("step {step:4} token {token:6}: max |diff| {d:.3e}");
-        token = match token_ids {
-            Some(t) if step + 1 < t.len() => t[step + 1],
-            _ => ds4::sample::argmax(&want),
-        };
+    let mut step = 0;
+    while step < steps {
+        let n = piece.min(steps - step);
+        let mut fed = Vec::with_capacity(n);
+        let mut want = Vec::with_capacity(n * n_vocab);
+        for s in step..step + n {
+            let row: Vec<f32> = match (&reference, other.as_mut()) {
+                (Some(r), _) => r[s * n_vocab..(s + 1) * n_vocab].to_vec(),
+                (None, Some(o)) => o.eval(token)?.to_vec(),
+                (None, None) => unreachable!("one reference exists"),
+            };
+            fed.push(token);
+            token = match token_ids {
+                Some(t) if s + 1 < t.len() => t[s + 1],
+                _ => ds4::sample::argmax(&row),
+            };
+            want.extend_from_slice(&row);
+        }
+        session.feed_with_logits(&fed, |i, got| {
+            let d = max_abs_diff(got, &want[i * n_vocab..(i + 1) * n_vocab]);
+            worst = worst.max(d);
+            bad += (d > a.tolerance) as usize;
+            println!("step {:4} token {:6}: max |diff| {d:.3e}", step + i, fed[i]);
+            true
+        })?;
+        step += n;
     }
     println!("worst {worst:.3e} over {steps} steps; {bad} steps above {}", a.tolerance);
     if bad > 0 {
@@ -955,7 +978,12 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     out!("model      {}", loaded.source);
     out!("backend    {backend_label}");
     out!("load       {:.3} s", load_time.as_secs_f64());
-    out!("prefill    {} tokens, {:.1} tok/s", prompt.len(), rate(prompt.len(), prefill_time));
+    out!(
+        "prefill    {} tokens in chunks of {}, {:.1} tok/s",
+        prompt.len(),
+        session.prefill_chunk(),
+        rate(prompt.len(), prefill_time)
+    );
     out!("decode     {} tokens, {:.1} tok/s ({:.2} ms/token)", a.tokens, tps, ms_per_token);
     out!(
         "weights    {:.1} MB read per token{}, {:.2} GB/s effective",

@@ -962,6 +962,222 @@ pub fn dot_iq2_xxs_q8_k_canonical(row: &[u8], y: &[BlockQ8K]) -> f32 {
     0.125 * sum_k_terms(row, y, IQ2_XXS_BYTES, true, iq2_xxs_term)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decoded rows: one weight row against many activations (a prefill chunk)
+// ---------------------------------------------------------------------------------------------
+
+/// Widens quantized activations (Q8_0 or Q8_K quants) to i16 for [`DecodedRow`] dots.
+pub fn widen(qs: &[i8], out: &mut [i16]) {
+    for (o, &q) in out.iter_mut().zip(qs) {
+        *o = i16::from(q);
+    }
+}
+
+/// The exact integer dot of two i16 vectors (products and sums fit i32 for quant blocks).
+#[inline]
+fn idot(a: &[i16], b: &[i16]) -> i32 {
+    // Fixed-size pieces of 16 so that the compiler keeps whole vectors of products.
+    let mut acc = [0i32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        let x: &[i16; 16] = x.try_into().expect("16");
+        let y: &[i16; 16] = y.try_into().expect("16");
+        for k in 0..16 {
+            acc[k] += i32::from(x[k]) * i32::from(y[k]);
+        }
+    }
+    acc.iter().sum::<i32>() + ra.iter().zip(rb).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum::<i32>()
+}
+
+/// F16 weight rows converted to f32 once, dotted with the f32 activations of many rows:
+/// `out[t] = row · xs[t]` with the bits of [`dot_f16_f32`] (sequential from 0) or
+/// [`dot_f16_f32_canonical`] (the canonical lanes): `f16 → f32` is exact, and each row's terms
+/// and order are the same. Rows are interleaved four at a time (independent sums).
+pub fn dot_f16_rows(w: &[f32], xs: &[&[f32]], out: &mut [f32], canonical: bool) {
+    if canonical {
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o = dot_f32w_canonical(w, x);
+        }
+        return;
+    }
+    let n = w.len();
+    let mut groups = xs.chunks_exact(4);
+    let mut outs = out.chunks_exact_mut(4);
+    for (g, o) in (&mut groups).zip(&mut outs) {
+        let (x0, x1, x2, x3) = (&g[0][..n], &g[1][..n], &g[2][..n], &g[3][..n]);
+        let mut acc = [0.0f32; 4];
+        for i in 0..n {
+            let wi = w[i];
+            acc[0] += wi * x0[i];
+            acc[1] += wi * x1[i];
+            acc[2] += wi * x2[i];
+            acc[3] += wi * x3[i];
+        }
+        o.copy_from_slice(&acc);
+    }
+    for (o, x) in outs.into_remainder().iter_mut().zip(groups.remainder()) {
+        let mut acc = 0.0f32;
+        for (&wi, &xi) in w.iter().zip(x.iter()) {
+            acc += wi * xi;
+        }
+        *o = acc;
+    }
+}
+
+/// [`dot_f16_f32_canonical`] with the weights already f32.
+fn dot_f32w_canonical(w: &[f32], x: &[f32]) -> f32 {
+    const W: usize = numerics::F16_WIDTH;
+    const C: usize = numerics::CHUNK;
+    let n = w.len().min(x.len());
+    let full = n / C * C;
+    let mut total = 0.0f32;
+    for (w, xs) in w[..full].chunks_exact(C).zip(x[..full].chunks_exact(C)) {
+        let w: &[f32; C] = w.try_into().expect("chunk");
+        let xs: &[f32; C] = xs.try_into().expect("chunk");
+        let mut acc = [0.0f32; numerics::LANES];
+        for u in 0..C / (W * numerics::LANES) {
+            for (l, a) in acc.iter_mut().enumerate() {
+                let base = (u * numerics::LANES + l) * W;
+                for v in base..base + W {
+                    *a += w[v] * xs[v];
+                }
+            }
+        }
+        total += numerics::tree32(acc);
+    }
+    if n > full {
+        let (w, xs) = (&w[full..n], &x[full..n]);
+        total += numerics::sum::<W, C>(n - full, |i| w[i] * xs[i]);
+    }
+    total
+}
+
+/// Adds block terms in ds4's order (sequentially from 0) or the canonical one: the order of the
+/// row dots above.
+#[inline]
+fn combine(canonical: bool, n: usize, mut term: impl FnMut(usize) -> f32) -> f32 {
+    if canonical {
+        numerics::sum_blocks(n, term)
+    } else {
+        let mut acc = 0.0f32;
+        for b in 0..n {
+            acc += term(b);
+        }
+        acc
+    }
+}
+
+/// A weight row decoded once for dots with many activations (the rows of a prefill chunk), where
+/// the row dots above would decode it again for each. Per block: the integer weights, with the
+/// block's small integer scales folded in where its integer sum allows (`Σ s·Σ w·x = Σ (s·w)·x`,
+/// exact), and the float factors. Each dot gives the bits of the type's row dot: the integer sums
+/// are exact in any order, the float terms are the same expressions, added in the same order.
+#[derive(Default)]
+pub struct DecodedRow {
+    ty: Option<GgmlType>,
+    /// Weights, `block_elems` per block.
+    w: Vec<i16>,
+    /// Per block: the f16 scale (Q8_0, IQ2_XXS) or `d` (Q2_K).
+    d: Vec<f32>,
+    /// Per block (Q2_K): `dmin`.
+    dmin: Vec<f32>,
+    /// Per block (Q2_K): the 16 4-bit mins.
+    mins: Vec<i16>,
+}
+
+impl DecodedRow {
+    /// Whether rows of `ty` have a decoded form.
+    pub fn supports(ty: GgmlType) -> bool {
+        matches!(ty, GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS)
+    }
+
+    /// Decodes `row`, a row of `ty` (one that [`DecodedRow::supports`]).
+    pub fn load(&mut self, ty: GgmlType, row: &[u8]) {
+        let (elems, bytes) = (ty.block_elems(), ty.block_bytes());
+        let blocks = row.len() / bytes;
+        self.ty = Some(ty);
+        self.w.resize(blocks * elems, 0);
+        self.d.resize(blocks, 0.0);
+        self.dmin.resize(blocks, 0.0);
+        self.mins.resize(blocks * 16, 0);
+        for (i, b) in row.chunks_exact(bytes).enumerate() {
+            let w = &mut self.w[i * elems..(i + 1) * elems];
+            match ty {
+                GgmlType::Q8_0 => {
+                    self.d[i] = le_f16(b, 0);
+                    for (o, &q) in w.iter_mut().zip(&b[2..Q8_0_BYTES]) {
+                        *o = i16::from(q as i8);
+                    }
+                }
+                GgmlType::Q2_K => {
+                    let (sc, qs) = (&b[0..16], &b[16..80]);
+                    self.d[i] = le_f16(b, 80);
+                    self.dmin[i] = le_f16(b, 82);
+                    for (m, &s) in self.mins[i * 16..(i + 1) * 16].iter_mut().zip(sc) {
+                        *m = i16::from(s >> 4);
+                    }
+                    // Value k of the 32 at (half, j) is bits 2j of qs[32·half + k], scaled by the
+                    // 4-bit scale of its 16 (`q2_k_term`'s layout).
+                    for half in 0..2 {
+                        for j in 0..4 {
+                            for k in 0..32 {
+                                let q = i16::from((qs[32 * half + k] >> (2 * j)) & 3);
+                                let s = i16::from(sc[8 * half + 2 * j + k / 16] & 0x0f);
+                                w[128 * half + 32 * j + k] = q * s;
+                            }
+                        }
+                    }
+                }
+                GgmlType::IQ2_XXS => {
+                    self.d[i] = le_f16(b, 0);
+                    let qs = &b[2..IQ2_XXS_BYTES];
+                    for ib in 0..QK_K / 32 {
+                        let g = &qs[8 * ib..8 * ib + 8];
+                        let aux = u32::from_le_bytes([g[4], g[5], g[6], g[7]]);
+                        let ls = (2 * (aux >> 28) + 1) as i16;
+                        for l in 0..4 {
+                            let grid = IQ2XXS_GRID[usize::from(g[l])].to_le_bytes();
+                            let signs = &SIGNS_I8[((aux >> (7 * l)) & 127) as usize];
+                            for j in 0..8 {
+                                w[32 * ib + 8 * l + j] = i16::from(grid[j]) * i16::from(signs[j]) * ls;
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// [`dot_q8_0`] (or [`dot_q8_0_canonical`]) of the row with a Q8_0 activation: `x` its
+    /// widened quants, `d` its scales.
+    pub fn dot_q8_0(&self, x: &[i16], d: &[f32], canonical: bool) -> f32 {
+        let blocks = self.d.len().min(x.len() / QK8_0).min(d.len());
+        combine(canonical, blocks, |b| {
+            let isum = idot(&self.w[b * QK8_0..(b + 1) * QK8_0], &x[b * QK8_0..(b + 1) * QK8_0]);
+            self.d[b] * d[b] * isum as f32
+        })
+    }
+
+    /// The row's k-quant dot ([`dot_q2_k_q8_k`], [`dot_iq2_xxs_q8_k`] or their canonical forms)
+    /// with Q8_K blocks `y`, whose quants widened are `y16`.
+    pub fn dot_q8_k(&self, y: &[BlockQ8K], y16: &[i16], canonical: bool) -> f32 {
+        let blocks = self.d.len().min(y.len());
+        let isum = |b: usize| idot(&self.w[b * QK_K..(b + 1) * QK_K], &y16[b * QK_K..(b + 1) * QK_K]);
+        match self.ty {
+            Some(GgmlType::Q2_K) => combine(canonical, blocks, |b| {
+                let summs = idot(&self.mins[b * 16..(b + 1) * 16], &y[b].bsums);
+                let dall = y[b].d * self.d[b];
+                let dmin = y[b].d * self.dmin[b];
+                dall * isum(b) as f32 - dmin * summs as f32
+            }),
+            Some(GgmlType::IQ2_XXS) => 0.125 * combine(canonical, blocks, |b| self.d[b] * y[b].d * isum(b) as f32),
+            _ => f32::NAN,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

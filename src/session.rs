@@ -1,5 +1,10 @@
 //! A decoding session: one recorded program, its compiled executable and caches sized for a
 //! context length, and the position counter that produces each token's `StepParams`.
+//!
+//! With a prefill chunk of T > 1 tokens the session also records a chunk program (T rows, once)
+//! and attaches it to the executable, which runs it on the same state (`decode` module doc): a
+//! prompt is then fed T tokens per step, with the same bits as token by token. A backend without
+//! chunk programs falls back to token by token and says so once ([`Session::take_warnings`]).
 
 use std::sync::Arc;
 
@@ -20,6 +25,8 @@ pub enum SessionError {
     NothingFed,
     #[error("context length must be between 1 and {max}, got {ctx}")]
     BadContext { ctx: usize, max: usize },
+    #[error("a prefill chunk holds at least 1 token, got 0")]
+    BadChunk,
     #[error("recording the token program failed: {0}")]
     Record(String),
     #[error(transparent)]
@@ -35,18 +42,53 @@ pub struct Session {
     pos: u32,
     /// The logits after the last token fed, when they were read back; empty otherwise.
     logits: Vec<f32>,
+    /// Rows of the attached chunk program (1: none, token by token).
+    rows: usize,
+    /// Prompt tokens per chunk now (1 ..= rows).
+    chunk: usize,
+    /// Diagnostics of the session itself, for [`Session::take_warnings`].
+    warnings: Vec<String>,
 }
 
 impl Session {
-    /// Records the token program once for `ctx` positions and compiles it on `backend`.
+    /// Records the token program once for `ctx` positions and compiles it on `backend`, with the
+    /// backend's default prefill chunk ([`Backend::default_prefill_chunk`]).
     pub fn new(model: Arc<Model>, backend: &dyn Backend, ctx: usize) -> Result<Session, SessionError> {
+        Session::with_prefill_chunk(model, backend, ctx, backend.default_prefill_chunk())
+    }
+
+    /// [`Session::new`] with prompts fed `chunk` tokens at a time (1: token by token; at most the
+    /// context). A backend without chunk programs feeds token by token and says so once.
+    pub fn with_prefill_chunk(
+        model: Arc<Model>,
+        backend: &dyn Backend,
+        ctx: usize,
+        chunk: usize,
+    ) -> Result<Session, SessionError> {
         const MAX_CTX: usize = 1 << 24;
         if ctx == 0 || ctx > MAX_CTX {
             return Err(SessionError::BadContext { ctx, max: MAX_CTX });
         }
+        if chunk == 0 {
+            return Err(SessionError::BadChunk);
+        }
+        let mut warnings = Vec::new();
+        let mut chunk = chunk.min(ctx);
+        if chunk > 1 && backend.default_prefill_chunk() <= 1 {
+            warnings.push(format!(
+                "{} backend: batched prefill is CPU-only for now; prefilling token by token",
+                backend.name()
+            ));
+            chunk = 1;
+        }
         let caps = Caps { ctx: ctx as u32 };
-        let program = Arc::new(decode::record_token(&model, caps).map_err(SessionError::Record)?);
-        let exe = backend.compile(program, model.clone())?;
+        let rows = chunk as u32;
+        let program = Arc::new(decode::record(&model, caps, 1, rows).map_err(SessionError::Record)?);
+        let mut exe = backend.compile(program, model.clone())?;
+        if chunk > 1 {
+            let chunk_program = Arc::new(decode::record(&model, caps, rows, rows).map_err(SessionError::Record)?);
+            exe.attach_chunk(chunk_program).map_err(|e| BackendError::new(backend.name(), e.msg))?;
+        }
         Ok(Session {
             model,
             backend: backend.name(),
@@ -55,7 +97,22 @@ impl Session {
             caps,
             pos: 0,
             logits: Vec::new(),
+            rows: chunk,
+            chunk,
+            warnings,
         })
+    }
+
+    /// Prompt tokens fed per step now (1: token by token).
+    pub fn prefill_chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Feeds prompts `n` tokens at a time from now on, at most the chunk the session was created
+    /// with (1: token by token, through the decode program). Returns the chunk now in use.
+    pub fn set_prefill_chunk(&mut self, n: usize) -> usize {
+        self.chunk = n.clamp(1, self.rows);
+        self.chunk
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -110,15 +167,69 @@ impl Session {
         Ok(())
     }
 
-    /// Feeds tokens without reading any logits back; `progress(done)` is called after each token.
-    /// Checks that they all fit before running anything. Follow with [`Session::sample`].
+    /// Feeds `tokens` (at most one chunk) as one chunk step, or as a decode step if it is one.
+    fn step_piece(&mut self, tokens: &[u32]) -> Result<(), SessionError> {
+        if let [t] = tokens {
+            return self.step(*t);
+        }
+        self.logits.clear();
+        self.exe.step_chunk(&StepParams::chunk(self.pos, tokens.len() as u32), tokens)?;
+        self.pos += tokens.len() as u32;
+        Ok(())
+    }
+
+    /// Feeds tokens without reading any logits back, in chunks of [`Session::prefill_chunk`];
+    /// `progress(done)` is called for each token, once the step that fed it has run (a chunk's
+    /// calls come together). Checks that they all fit before running anything. Follow with
+    /// [`Session::sample`].
     pub fn feed(&mut self, tokens: &[u32], mut progress: impl FnMut(usize)) -> Result<(), SessionError> {
         self.check(tokens)?;
-        for (i, &t) in tokens.iter().enumerate() {
-            self.step(t)?;
-            progress(i + 1);
+        let mut done = 0;
+        for piece in tokens.chunks(self.chunk) {
+            self.step_piece(piece)?;
+            for _ in piece {
+                done += 1;
+                progress(done);
+            }
         }
         Ok(())
+    }
+
+    /// Feeds tokens in chunks and calls `each(i, logits)` with the logits after token `i`, for
+    /// every token in order (one row per token, as token by token). `each` returning false stops
+    /// the feeding at the end of the current chunk (no further calls). Returns how many tokens
+    /// were fed. Checks that they all fit before running anything.
+    pub fn feed_with_logits(
+        &mut self,
+        tokens: &[u32],
+        mut each: impl FnMut(usize, &[f32]) -> bool,
+    ) -> Result<usize, SessionError> {
+        self.check(tokens)?;
+        let n_vocab = self.model.config.n_vocab;
+        let mut done = 0;
+        let mut rows = Vec::new();
+        for piece in tokens.chunks(self.chunk) {
+            self.step_piece(piece)?;
+            if piece.len() == 1 {
+                self.exe.read_logits(&mut rows)?;
+            } else {
+                self.exe.read_chunk_logits(&mut rows)?;
+            }
+            let mut go = true;
+            for (k, row) in rows.chunks_exact(n_vocab).enumerate() {
+                if !each(done + k, row) {
+                    go = false;
+                    break;
+                }
+            }
+            done += piece.len();
+            self.logits.clear();
+            self.logits.extend_from_slice(&rows[rows.len() - n_vocab..]);
+            if !go {
+                break;
+            }
+        }
+        Ok(done)
     }
 
     /// Samples the token that follows the last one fed. On a backend that samples on the device
@@ -153,8 +264,9 @@ impl Session {
         Ok(&self.logits)
     }
 
-    /// Feeds a prompt token by token; `progress(done)` is called after each token. Checks that
-    /// the whole prompt fits before running anything. Returns the logits after the last token.
+    /// Feeds a prompt ([`Session::feed`]: in chunks); `progress(done)` is called for each token.
+    /// Checks that the whole prompt fits before running anything. Returns the logits after the
+    /// last token.
     pub fn prefill(&mut self, tokens: &[u32], progress: impl FnMut(usize)) -> Result<&[f32], SessionError> {
         self.feed(tokens, progress)?;
         if self.pos > 0 && self.logits.is_empty() {
@@ -165,7 +277,9 @@ impl Session {
 
     /// Diagnostics from the backend since the last call (see `Executable::take_warnings`).
     pub fn take_warnings(&mut self) -> Vec<String> {
-        self.exe.take_warnings()
+        let mut w = std::mem::take(&mut self.warnings);
+        w.extend(self.exe.take_warnings());
+        w
     }
 
     /// The logits after the last token fed, if they were read back ([`Session::eval`],

@@ -477,3 +477,58 @@ fn dequantize_row_f32_and_i32() {
     dequantize_row(GgmlType::I32, &src, &mut dst).unwrap();
     assert_eq!(dst, [0.0, -7.0, 123_456.0, 16_777_216.0]);
 }
+
+/// The batched prefill's decoded rows (`DecodedRow`, `dot_f16_rows`) give the bits of the row
+/// dots, in both profiles, for the golden rows of each type against varied activations.
+#[test]
+fn decoded_row_dots_have_the_row_dots_bits() {
+    use ds4::quant::{
+        dot_f16_f32_canonical, dot_f16_rows, dot_iq2_xxs_q8_k_canonical, dot_q2_k_q8_k_canonical, dot_q8_0_canonical,
+        widen, DecodedRow,
+    };
+    let acts: Vec<Vec<f32>> = (0..5)
+        .map(|s| (0..COLS).map(|i| ((i * 37 + s * 101) % 97) as f32 * 0.03 - 1.4 + s as f32 * 0.2).collect())
+        .collect();
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits();
+    for x in &acts {
+        let (mut xq, mut xd) = (vec![0i8; COLS], vec![0f32; COLS / QK8_0]);
+        quantize_q8_0(x, &mut xq, &mut xd);
+        let mut x16 = vec![0i16; COLS];
+        widen(&xq, &mut x16);
+        let mut y = vec![BlockQ8K::default(); COLS / QK_K];
+        quantize_q8_k(x, &mut y);
+        let mut y16 = vec![0i16; COLS];
+        for (b, o) in y.iter().zip(y16.chunks_exact_mut(QK_K)) {
+            widen(&b.qs, o);
+        }
+        let mut d = DecodedRow::default();
+        for row in raw_rows(GgmlType::Q8_0, "q8_0.bin") {
+            d.load(GgmlType::Q8_0, &row);
+            assert!(same(d.dot_q8_0(&x16, &xd, false), dot_q8_0(&row, &xq, &xd)));
+            assert!(same(d.dot_q8_0(&x16, &xd, true), dot_q8_0_canonical(&row, &xq, &xd)));
+        }
+        for row in raw_rows(GgmlType::Q2_K, "q2_k.bin") {
+            d.load(GgmlType::Q2_K, &row);
+            assert!(same(d.dot_q8_k(&y, &y16, false), dot_q2_k_q8_k(&row, &y)));
+            assert!(same(d.dot_q8_k(&y, &y16, true), dot_q2_k_q8_k_canonical(&row, &y)));
+        }
+        for row in raw_rows(GgmlType::IQ2_XXS, "iq2_xxs.bin") {
+            d.load(GgmlType::IQ2_XXS, &row);
+            assert!(same(d.dot_q8_k(&y, &y16, false), dot_iq2_xxs_q8_k(&row, &y)));
+            assert!(same(d.dot_q8_k(&y, &y16, true), dot_iq2_xxs_q8_k_canonical(&row, &y)));
+        }
+    }
+    // F16 rows against all five activations at once (four interleaved and one more).
+    let xs: Vec<&[f32]> = acts.iter().map(|a| &a[..]).collect();
+    for row in raw_rows(GgmlType::F16, "f16.bin") {
+        let w: Vec<f32> = row.chunks_exact(2).map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+        for canonical in [false, true] {
+            let mut out = vec![0f32; xs.len()];
+            dot_f16_rows(&w, &xs, &mut out, canonical);
+            for (o, x) in out.iter().zip(&xs) {
+                let want = if canonical { dot_f16_f32_canonical(&row, x) } else { dot_f16_f32(&row, x) };
+                assert!(same(*o, want), "f16, canonical {canonical}");
+            }
+        }
+    }
+}

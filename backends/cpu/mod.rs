@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::backend::{Backend, BackendError, Executable};
 use crate::model::Model;
 use crate::numerics::Numerics;
-use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
+use crate::recorder::{Buf, BufKind, DType, Program, Step, StepParams};
 
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
@@ -36,12 +36,19 @@ impl CpuBackend {
     }
 }
 
+/// Prompt tokens per prefill chunk by default: enough rows for each weight read to serve many
+/// tokens, few enough that the chunk's scratch stays small.
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
     fn numerics(&self) -> Numerics {
         self.numerics
+    }
+    fn default_prefill_chunk(&self) -> usize {
+        DEFAULT_PREFILL_CHUNK
     }
 
     fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
@@ -74,20 +81,24 @@ impl Backend for CpuBackend {
                 ));
             }
         }
-        let bufs = program
-            .buffers()
-            .iter()
-            .map(|d| match d.dtype {
-                DType::F32 => Data::F32(vec![0.0; d.len]),
-                DType::I32 => Data::I32(vec![0; d.len]),
-            })
-            .collect();
+        let bufs = allocate(&program);
         let vectors = vec![None; program.weights().len()];
         let math = ops::Math::new(self.numerics);
-        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs, vectors, math };
+        let mut exe = CpuExecutable { program, model, pool: self.pool.clone(), bufs, vectors, math, chunk: None };
         exe.reset()?;
         Ok(Box::new(exe))
     }
+}
+
+fn allocate(program: &Program) -> Vec<Data> {
+    program
+        .buffers()
+        .iter()
+        .map(|d| match d.dtype {
+            DType::F32 => Data::F32(vec![0.0; d.len * d.rows as usize]),
+            DType::I32 => Data::I32(vec![0; d.len * d.rows as usize]),
+        })
+        .collect()
 }
 
 /// One buffer's contents.
@@ -103,6 +114,91 @@ pub struct CpuExecutable {
     bufs: Vec<Data>,
     vectors: Vec<Option<Arc<[f32]>>>,
     math: ops::Math,
+    chunk: Option<Chunk>,
+}
+
+/// An attached chunk program: its own scratch, and the decode program's state.
+struct Chunk {
+    program: Arc<Program>,
+    /// Its buffers; the state entries are empty: the decode program's are moved in for a chunk.
+    bufs: Vec<Data>,
+    vectors: Vec<Option<Arc<[f32]>>>,
+    /// (chunk program buffer, decode program buffer) for each state buffer.
+    state: Vec<(Buf, Buf)>,
+    /// Tokens in the last chunk run.
+    count: usize,
+}
+
+impl CpuExecutable {
+    /// Runs the attached chunk program's steps: batch steps for all rows whose predicate holds,
+    /// row loops row by row (`recorder::Step`).
+    fn run_chunk(&mut self, params: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+        let err = |e: String| BackendError::new("cpu", e);
+        let Some(chunk) = self.chunk.as_mut() else {
+            return Err(err("no chunk program is attached".into()));
+        };
+        let program = chunk.program.clone();
+        program.check_chunk(params, tokens).map_err(err)?;
+        let tb = program.tokens().ok_or_else(|| err("the chunk program has no token buffer".into()))?;
+        if let Data::I32(v) = &mut chunk.bufs[tb.0 as usize] {
+            v.iter_mut().zip(tokens).for_each(|(d, &t)| *d = t as i32);
+        }
+        let rows: Vec<StepParams> = tokens.iter().enumerate().map(|(r, &t)| params.row(r as u32, t)).collect();
+        // The session's state moves into the chunk program for the chunk and back after it.
+        for &(c, d) in &chunk.state {
+            std::mem::swap(&mut chunk.bufs[c.0 as usize], &mut self.bufs[d.0 as usize]);
+        }
+        let mut ctx = ops::Ctx {
+            program: &program,
+            model: &self.model,
+            bufs: &mut chunk.bufs,
+            vectors: &mut chunk.vectors,
+            p: rows[0],
+            row: 0,
+            math: self.math,
+        };
+        let steps = program.steps();
+        let r = self.pool.install(|| {
+            let mut i = 0;
+            while i < steps.len() {
+                let named = |s: &Step, e: String| err(format!("{}: {e}", s.op.name()));
+                match steps[i].seq {
+                    None => {
+                        let s = &steps[i];
+                        let active: Vec<usize> =
+                            (0..rows.len()).filter(|&r| s.cond.is_none_or(|c| c.eval(&rows[r]))).collect();
+                        ctx.run_rows(&s.op, &active, &rows).map_err(|e| named(s, e))?;
+                        i += 1;
+                    }
+                    Some(k) => {
+                        let end = i + steps[i..].iter().take_while(|s| s.seq == Some(k)).count();
+                        for (r, p) in rows.iter().enumerate() {
+                            (ctx.row, ctx.p) = (r, *p);
+                            for s in steps[i..end].iter().filter(|s| s.cond.is_none_or(|c| c.eval(p))) {
+                                ctx.run(&s.op).map_err(|e| named(s, e))?;
+                            }
+                        }
+                        i = end;
+                    }
+                }
+            }
+            Ok(())
+        });
+        for &(c, d) in &chunk.state {
+            std::mem::swap(&mut chunk.bufs[c.0 as usize], &mut self.bufs[d.0 as usize]);
+        }
+        chunk.count = tokens.len();
+        r?;
+        // The decode program's logits are the last token's, as after a decode step.
+        let n_vocab = self.program.n_vocab();
+        let last = tokens.len() - 1;
+        if let (Data::F32(c), Data::F32(d)) =
+            (&chunk.bufs[program.logits().0 as usize], &mut self.bufs[self.program.logits().0 as usize])
+        {
+            d.copy_from_slice(&c[last * n_vocab..(last + 1) * n_vocab]);
+        }
+        Ok(())
+    }
 }
 
 impl Executable for CpuExecutable {
@@ -123,6 +219,7 @@ impl Executable for CpuExecutable {
             bufs: &mut self.bufs,
             vectors: &mut self.vectors,
             p: *params,
+            row: 0,
             math: self.math,
         };
         self.pool.install(|| {
@@ -137,6 +234,38 @@ impl Executable for CpuExecutable {
 
     fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
         *out = self.read_buffer(self.program.logits())?;
+        Ok(())
+    }
+
+    fn attach_chunk(&mut self, chunk: Arc<Program>) -> Result<(), BackendError> {
+        let err = |e: String| BackendError::new("cpu", e);
+        if chunk.tokens().is_none() {
+            return Err(err("a chunk program needs more than one row".into()));
+        }
+        if chunk.positions() != self.program.positions() || chunk.n_vocab() != self.program.n_vocab() {
+            return Err(err("the chunk program was recorded for another context or model".into()));
+        }
+        let state = chunk.state_binding(&self.program).map_err(|e| err(format!("chunk program: {e}")))?;
+        let mut bufs = allocate(&chunk);
+        for &(c, _) in &state {
+            bufs[c.0 as usize] = Data::F32(Vec::new());
+        }
+        let vectors = vec![None; chunk.weights().len()];
+        self.chunk = Some(Chunk { program: chunk, bufs, vectors, state, count: 0 });
+        Ok(())
+    }
+
+    fn step_chunk(&mut self, params: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+        self.run_chunk(params, tokens)
+    }
+
+    fn read_chunk_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        let chunk = self.chunk.as_ref().ok_or_else(|| BackendError::new("cpu", "no chunk program is attached"))?;
+        let n = chunk.count * chunk.program.n_vocab();
+        match &chunk.bufs[chunk.program.logits().0 as usize] {
+            Data::F32(v) => *out = v[..n].to_vec(),
+            Data::I32(_) => return Err(BackendError::new("cpu", "the logits buffer is not F32")),
+        }
         Ok(())
     }
 

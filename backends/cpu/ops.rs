@@ -43,7 +43,10 @@ pub(crate) struct Ctx<'a> {
     pub bufs: &'a mut Vec<Data>,
     /// Small weight vectors (norms, sinks, HC scales, ape), dequantized on first use.
     pub vectors: &'a mut Vec<Option<Arc<[f32]>>>,
+    /// The parameters of the token the op computes (a chunk's row: `StepParams::row`).
     pub p: StepParams,
+    /// The row of the chunk's multi-row buffers that an op addresses (0 in a decode program).
+    pub row: usize,
     pub math: Math,
 }
 
@@ -53,35 +56,79 @@ type R = Result<(), String>;
 const ROWS_PER_TASK: usize = 16;
 
 impl<'a> Ctx<'a> {
+    /// The values of `b` an op at `self.row` addresses: its row of a multi-row buffer, or all of
+    /// a one-row buffer (decode scratch and state).
+    fn span(&self, b: Buf) -> Option<std::ops::Range<usize>> {
+        let d = self.program.buffer(b);
+        (d.rows > 1).then(|| self.row * d.len..(self.row + 1) * d.len)
+    }
     fn f(&self, b: Buf) -> &[f32] {
-        match &self.bufs[b.0 as usize] {
-            Data::F32(v) => v,
-            Data::I32(_) => &[],
+        match (&self.bufs[b.0 as usize], self.span(b)) {
+            (Data::F32(v), Some(r)) => &v[r],
+            (Data::F32(v), None) => v,
+            (Data::I32(_), _) => &[],
         }
     }
     fn i(&self, b: Buf) -> &[i32] {
-        match &self.bufs[b.0 as usize] {
-            Data::I32(v) => v,
-            Data::F32(_) => &[],
+        match (&self.bufs[b.0 as usize], self.span(b)) {
+            (Data::I32(v), Some(r)) => &v[r],
+            (Data::I32(v), None) => v,
+            (Data::F32(_), _) => &[],
         }
     }
+    /// The op's values of `b` to write; [`Ctx::put`] stores them back. A row of a multi-row
+    /// buffer is copied out (ops are written for one token's buffers).
     fn take(&mut self, b: Buf) -> Vec<f32> {
+        let span = self.span(b);
+        match (&mut self.bufs[b.0 as usize], span) {
+            (Data::F32(v), Some(r)) => v[r].to_vec(),
+            (Data::F32(v), None) => std::mem::take(v),
+            (Data::I32(_), _) => Vec::new(),
+        }
+    }
+    fn put(&mut self, b: Buf, v: Vec<f32>) {
+        match (self.span(b), &mut self.bufs[b.0 as usize]) {
+            (Some(r), Data::F32(all)) => all[r].copy_from_slice(&v),
+            _ => self.bufs[b.0 as usize] = Data::F32(v),
+        }
+    }
+    fn take_i(&mut self, b: Buf) -> Vec<i32> {
+        let span = self.span(b);
+        match (&mut self.bufs[b.0 as usize], span) {
+            (Data::I32(v), Some(r)) => v[r].to_vec(),
+            (Data::I32(v), None) => std::mem::take(v),
+            (Data::F32(_), _) => Vec::new(),
+        }
+    }
+    fn put_i(&mut self, b: Buf, v: Vec<i32>) {
+        match (self.span(b), &mut self.bufs[b.0 as usize]) {
+            (Some(r), Data::I32(all)) => all[r].copy_from_slice(&v),
+            _ => self.bufs[b.0 as usize] = Data::I32(v),
+        }
+    }
+    /// All rows of a buffer, for the ops that take a chunk's rows at once ([`Ctx::take`]'s
+    /// counterpart; [`Ctx::put_all`] stores them back).
+    fn take_all(&mut self, b: Buf) -> Vec<f32> {
         match &mut self.bufs[b.0 as usize] {
             Data::F32(v) => std::mem::take(v),
             Data::I32(_) => Vec::new(),
         }
     }
-    fn put(&mut self, b: Buf, v: Vec<f32>) {
+    fn put_all(&mut self, b: Buf, v: Vec<f32>) {
         self.bufs[b.0 as usize] = Data::F32(v);
     }
-    fn take_i(&mut self, b: Buf) -> Vec<i32> {
-        match &mut self.bufs[b.0 as usize] {
-            Data::I32(v) => std::mem::take(v),
-            Data::F32(_) => Vec::new(),
+    /// All rows of a buffer as read-only values.
+    fn f_all(&self, b: Buf) -> &[f32] {
+        match &self.bufs[b.0 as usize] {
+            Data::F32(v) => v,
+            Data::I32(_) => &[],
         }
     }
-    fn put_i(&mut self, b: Buf, v: Vec<i32>) {
-        self.bufs[b.0 as usize] = Data::I32(v);
+    fn i_all(&self, b: Buf) -> &[i32] {
+        match &self.bufs[b.0 as usize] {
+            Data::I32(v) => v,
+            Data::F32(_) => &[],
+        }
     }
     fn w(&self, id: WeightId) -> (&'a TensorInfo, &'a [u8]) {
         let t = self.program.weight(id);
@@ -261,6 +308,279 @@ impl<'a> Ctx<'a> {
                 Ok(())
             }
         }
+    }
+
+    /// Runs one batch step of a chunk ([`crate::recorder::Step`]) for the chunk rows in `rows`
+    /// (those whose predicate holds), row `r` with `params[r]`. Matrix products and the routed
+    /// experts take all rows at once, reading each weight once per chunk; every other op runs
+    /// row by row. Either way each row gets the bits a decode step gives.
+    pub fn run_rows(&mut self, op: &Op, rows: &[usize], params: &[StepParams]) -> R {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        match *op {
+            Op::MatVec { w, x, out } => self.mat_mul(w, x, out, 1, rows),
+            Op::MatVecGrouped { w, x, out, groups } => self.mat_mul(w, x, out, groups, rows),
+            Op::MoeExperts { x, selected, weights, gate, up, down, out, clamp } => {
+                self.moe_experts_rows(x, selected, weights, [gate, up, down], out, clamp, rows)
+            }
+            Op::EmbedHc { .. }
+            | Op::RmsNorm { .. }
+            | Op::HcSplit { .. }
+            | Op::HcWeightedSum { .. }
+            | Op::HcPost { .. }
+            | Op::HcHeadWeights { .. }
+            | Op::RopeTail { .. }
+            | Op::Fp8RoundTrip { .. }
+            | Op::IndexerQat { .. }
+            | Op::StoreRaw { .. }
+            | Op::CompressorStore { .. }
+            | Op::CompressorPool { .. }
+            | Op::CompressorShift { .. }
+            | Op::StoreCompRow { .. }
+            | Op::IndexerScores { .. }
+            | Op::IndexerTopK { .. }
+            | Op::Attention { .. }
+            | Op::RouterSelect { .. }
+            | Op::SwiGlu { .. }
+            | Op::Add { .. } => {
+                for &r in rows {
+                    self.row = r;
+                    self.p = params[r];
+                    self.run(op)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The chunk form of [`Ctx::mat_vec`] (`mat_vec` and `mat_vec_grouped` ops): `out[t] = W · x[t]`
+    /// for the chunk rows `t` in `rows`. Each weight row is read once and dotted with every row's
+    /// input by the matvec's own dot function, so each row's result has the matvec's bits.
+    fn mat_mul(&mut self, w: WeightId, x: Buf, out: Buf, groups: u32, rows: &[usize]) -> R {
+        let (t, data) = self.w(w);
+        let in_dim = t.dim(0) as usize;
+        let out_dim = t.dim(1) as usize;
+        let rows_per_group = out_dim / groups as usize;
+        let rb = t.ty.row_bytes(in_dim);
+        let (x_len, o_len) = (self.program.buffer(x).len, self.program.buffer(out).len);
+        let xv = self.f_all(x);
+        let n = rows.len();
+        let canonical = self.math.canonical;
+        // [weight row][chunk row]: each task writes whole weight rows; scattered to `out` below.
+        let mut tmp = vec![0f32; out_dim * n];
+        match t.ty {
+            GgmlType::Q8_0 => {
+                let mut xq = vec![0i8; n * x_len];
+                let mut xd = vec![0f32; n * x_len / 32];
+                for (k, &r) in rows.iter().enumerate() {
+                    let (q, d) = (&mut xq[k * x_len..(k + 1) * x_len], &mut xd[k * x_len / 32..(k + 1) * x_len / 32]);
+                    quant::quantize_q8_0(&xv[r * x_len..(r + 1) * x_len], q, d);
+                }
+                // Each weight row is decoded once and dotted with every row's activation: the
+                // bits of `dot_q8_0` (or its canonical form), without decoding the row n times.
+                let mut x16 = vec![0i16; xq.len()];
+                quant::widen(&xq, &mut x16);
+                tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
+                    let mut row = quant::DecodedRow::default();
+                    for (j, o) in chunk.chunks_mut(n).enumerate() {
+                        let r = c * ROWS_PER_TASK + j;
+                        let at = (r / rows_per_group) * in_dim;
+                        row.load(GgmlType::Q8_0, &data[r * rb..(r + 1) * rb]);
+                        for (k, v) in o.iter_mut().enumerate() {
+                            let base = k * x_len + at;
+                            *v = row.dot_q8_0(
+                                &x16[base..base + in_dim],
+                                &xd[base / 32..(base + in_dim) / 32],
+                                canonical,
+                            );
+                        }
+                    }
+                });
+            }
+            GgmlType::F16 => {
+                // Each weight row is converted to f32 once (exact) for all the rows' dots.
+                tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
+                    let mut w32 = vec![0f32; in_dim];
+                    for (j, o) in chunk.chunks_mut(n).enumerate() {
+                        let r = c * ROWS_PER_TASK + j;
+                        let at = (r / rows_per_group) * in_dim;
+                        let row = &data[r * rb..(r + 1) * rb];
+                        for (d, b) in w32.iter_mut().zip(row.chunks_exact(2)) {
+                            *d = quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                        }
+                        let xs: Vec<&[f32]> =
+                            rows.iter().map(|&t| &xv[t * x_len + at..t * x_len + at + in_dim]).collect();
+                        quant::dot_f16_rows(&w32, &xs, o, canonical);
+                    }
+                });
+            }
+            GgmlType::F32 => {
+                let dot = if canonical { quant::dot_f32_f32_canonical } else { quant::dot_f32_f32 };
+                tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
+                    for (j, o) in chunk.chunks_mut(n).enumerate() {
+                        let r = c * ROWS_PER_TASK + j;
+                        let at = (r / rows_per_group) * in_dim;
+                        let row = &data[r * rb..(r + 1) * rb];
+                        for (v, &t) in o.iter_mut().zip(rows) {
+                            *v = dot(row, &xv[t * x_len + at..t * x_len + at + in_dim]);
+                        }
+                    }
+                });
+            }
+            other => return Err(format!("tensor '{}' of type {other:?} is not a dense matrix type", t.name)),
+        }
+        let mut o = self.take_all(out);
+        for (r, col) in tmp.chunks_exact(n).enumerate() {
+            for (&t, &v) in rows.iter().zip(col) {
+                o[t * o_len + r] = v;
+            }
+        }
+        self.put_all(out, o);
+        Ok(())
+    }
+
+    /// The chunk form of [`Ctx::moe_experts`]: the routed experts of the chunk rows in `rows`. The
+    /// rows are grouped by expert, so each selected expert's weights are read once per chunk; each
+    /// (row, slot) pair gets the decode op's dots, and each row adds its slots' down projections
+    /// in slot order from 0, as the decode op does.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_rows(
+        &mut self,
+        x: Buf,
+        selected: Buf,
+        weights: Buf,
+        [gate, up, down]: [WeightId; 3],
+        out: Buf,
+        clamp: f32,
+        rows: &[usize],
+    ) -> R {
+        let ((gt, gd), (ut, ud), (dt, dd)) = (self.w(gate), self.w(up), self.w(down));
+        let (in_dim, ff, n_expert) = (gt.dim(0) as usize, gt.dim(1) as usize, gt.dim(2) as usize);
+        let out_dim = dt.dim(1) as usize;
+        let n_used = self.program.buffer(selected).len;
+        let (x_len, o_len) = (self.program.buffer(x).len, self.program.buffer(out).len);
+        let (sel, ew) = (self.i_all(selected), self.f_all(weights));
+        // The (chunk row index k, slot i) pairs of each expert; pair (k, i) is `slot` k * n_used + i.
+        let mut pairs: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n_expert];
+        for (k, &r) in rows.iter().enumerate() {
+            for i in 0..n_used {
+                let e = sel[r * n_used + i];
+                if e < 0 || e as usize >= n_expert {
+                    return Err(format!("expert id {e} outside 0..{n_expert}"));
+                }
+                pairs[e as usize].push((k, i));
+            }
+        }
+        let math = self.math;
+        let n = rows.len();
+        let nb = in_dim / QK_K;
+        let mut xq = vec![BlockQ8K::default(); n * nb];
+        for (k, &r) in rows.iter().enumerate() {
+            quant::quantize_q8_k(&self.f_all(x)[r * x_len..r * x_len + in_dim], &mut xq[k * nb..(k + 1) * nb]);
+        }
+        let mut x16 = vec![0i16; n * in_dim];
+        for (b, o) in xq.iter().zip(x16.chunks_exact_mut(QK_K)) {
+            quant::widen(&b.qs, o);
+        }
+        let (g_rb, u_rb, d_rb) = (gt.ty.row_bytes(in_dim), ut.ty.row_bytes(in_dim), dt.ty.row_bytes(ff));
+        let c = math.canonical;
+        let (gdot, udot, ddot) = (
+            RowDot::new(gt.ty, expert_dot(gt.ty, c)?, c),
+            RowDot::new(ut.ty, expert_dot(ut.ty, c)?, c),
+            RowDot::new(dt.ty, expert_dot(dt.ty, c)?, c),
+        );
+
+        // Gate and up: per expert, [ff row][pair].
+        let mids: Vec<Vec<f32>> = pairs
+            .par_iter()
+            .enumerate()
+            .map(|(e, ps)| {
+                let np = ps.len();
+                let mut m = vec![0f32; ff * np];
+                if np == 0 {
+                    return m;
+                }
+                m.par_chunks_mut(ROWS_PER_TASK * np).enumerate().for_each(|(c, chunk)| {
+                    let (mut g, mut u) = (gdot.clone(), udot.clone());
+                    for (j, o) in chunk.chunks_mut(np).enumerate() {
+                        let f = c * ROWS_PER_TASK + j;
+                        g.load(&gd[(e * ff + f) * g_rb..(e * ff + f + 1) * g_rb]);
+                        u.load(&ud[(e * ff + f) * u_rb..(e * ff + f + 1) * u_rb]);
+                        for (v, &(k, i)) in o.iter_mut().zip(ps) {
+                            let (xk, x16k) = (&xq[k * nb..(k + 1) * nb], &x16[k * in_dim..(k + 1) * in_dim]);
+                            *v = swiglu(math, g.dot(xk, x16k), u.dot(xk, x16k), clamp) * ew[rows[k] * n_used + i];
+                        }
+                    }
+                });
+                m
+            })
+            .collect();
+        let mut mid = vec![0f32; n * n_used * ff];
+        for (ps, m) in pairs.iter().zip(&mids) {
+            for (p, &(k, i)) in ps.iter().enumerate() {
+                let slot = k * n_used + i;
+                for f in 0..ff {
+                    mid[slot * ff + f] = m[f * ps.len() + p];
+                }
+            }
+        }
+        let fb = ff / QK_K;
+        let mut midq = vec![BlockQ8K::default(); n * n_used * fb];
+        for (m, q) in mid.chunks_exact(ff).zip(midq.chunks_exact_mut(fb)) {
+            quant::quantize_q8_k(m, q);
+        }
+        let mut mid16 = vec![0i16; n * n_used * ff];
+        for (b, o) in midq.iter().zip(mid16.chunks_exact_mut(QK_K)) {
+            quant::widen(&b.qs, o);
+        }
+
+        // Down: per expert, [out row][pair]; then each row sums its slots in order.
+        let downs: Vec<Vec<f32>> = pairs
+            .par_iter()
+            .enumerate()
+            .map(|(e, ps)| {
+                let np = ps.len();
+                let mut d = vec![0f32; out_dim * np];
+                if np == 0 {
+                    return d;
+                }
+                d.par_chunks_mut(ROWS_PER_TASK * np).enumerate().for_each(|(c, chunk)| {
+                    let mut dw = ddot.clone();
+                    for (j, o) in chunk.chunks_mut(np).enumerate() {
+                        let r = c * ROWS_PER_TASK + j;
+                        let base = (e * out_dim + r) * d_rb;
+                        dw.load(&dd[base..base + d_rb]);
+                        for (v, &(k, i)) in o.iter_mut().zip(ps) {
+                            let slot = k * n_used + i;
+                            *v = dw.dot(&midq[slot * fb..(slot + 1) * fb], &mid16[slot * ff..(slot + 1) * ff]);
+                        }
+                    }
+                });
+                d
+            })
+            .collect();
+        let mut part = vec![0f32; n * n_used * out_dim];
+        for (ps, d) in pairs.iter().zip(&downs) {
+            for (p, &(k, i)) in ps.iter().enumerate() {
+                let slot = k * n_used + i;
+                for r in 0..out_dim {
+                    part[slot * out_dim + r] = d[r * ps.len() + p];
+                }
+            }
+        }
+        let mut o = self.take_all(out);
+        for (k, &t) in rows.iter().enumerate() {
+            for r in 0..out_dim {
+                let mut acc = 0.0f32;
+                for i in 0..n_used {
+                    acc += part[(k * n_used + i) * out_dim + r];
+                }
+                o[t * o_len + r] = acc;
+            }
+        }
+        self.put_all(out, o);
+        Ok(())
     }
 
     fn embed_hc(&mut self, table: WeightId, out: Buf, n_hc: u32) -> R {
@@ -572,6 +892,42 @@ impl<'a> Ctx<'a> {
 }
 
 type ExpertDot = fn(&[u8], &[BlockQ8K]) -> f32;
+
+/// One expert weight row at a time against many Q8_K activations: decoded once where the type
+/// has a decoded form ([`quant::DecodedRow`], the same bits), else through the row dot.
+struct RowDot<'r> {
+    ty: GgmlType,
+    dot: ExpertDot,
+    canonical: bool,
+    raw: &'r [u8],
+    decoded: Option<quant::DecodedRow>,
+}
+
+impl Clone for RowDot<'_> {
+    fn clone(&self) -> Self {
+        RowDot::new(self.ty, self.dot, self.canonical)
+    }
+}
+
+impl<'r> RowDot<'r> {
+    fn new(ty: GgmlType, dot: ExpertDot, canonical: bool) -> Self {
+        let decoded = quant::DecodedRow::supports(ty).then(quant::DecodedRow::default);
+        RowDot { ty, dot, canonical, raw: &[], decoded }
+    }
+    fn load(&mut self, row: &'r [u8]) {
+        match &mut self.decoded {
+            Some(d) => d.load(self.ty, row),
+            None => self.raw = row,
+        }
+    }
+    /// The row's dot with `y`, whose quants widened are `y16`.
+    fn dot(&self, y: &[BlockQ8K], y16: &[i16]) -> f32 {
+        match &self.decoded {
+            Some(d) => d.dot_q8_k(y, y16, self.canonical),
+            None => (self.dot)(self.raw, y),
+        }
+    }
+}
 
 fn expert_dot(ty: GgmlType, canonical: bool) -> Result<ExpertDot, String> {
     match (ty, canonical) {

@@ -1082,6 +1082,9 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 /// With `expert_cache`, each MoE layer first runs the expert cache's two launches (placement
 /// "host": routed experts in host memory, cached in device memory).
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
+    if program.rows() > 1 {
+        return Err(format!("{} (a chunk program of {} rows)", crate::backend::NO_CHUNK_PROGRAMS, program.rows()));
+    }
     let mut b = Builder {
         program,
         fuse,
@@ -1235,6 +1238,15 @@ mod tests {
     use crate::gguf::File;
     use crate::model::Model;
     use crate::synth::{self, Preset};
+
+    /// Batched prefill is CPU-only for now: a chunk program is refused with a message saying so.
+    #[test]
+    fn chunk_programs_are_refused() {
+        let model = Model::from_file(File::from_bytes("t", synth::build(&Preset::tiny(), 1)).unwrap()).unwrap();
+        let chunk = crate::decode::record(&model, Caps { ctx: 64 }, 8, 8).unwrap();
+        let e = plan(&chunk, true, false).err().expect("refused");
+        assert!(e.contains("CPU-only for now") && e.contains("8 rows"), "{e}");
+    }
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
     fn kernel_signatures() -> Vec<(String, String)> {

@@ -496,6 +496,9 @@ fn comp_ratio(b: BoundKind) -> Result<u32, String> {
 /// Plans every op of `program`, in order. Weights larger than `max_binding` bytes are split;
 /// `rows` picks the one-invocation-per-row matvecs.
 pub fn plan(program: &Program, max_binding: u64, rows: bool) -> Result<Plan, String> {
+    if program.rows() > 1 {
+        return Err(format!("{} (a chunk program of {} rows)", crate::backend::NO_CHUNK_PROGRAMS, program.rows()));
+    }
     let mut b = Builder {
         program,
         max_binding,

@@ -13,19 +13,39 @@ use std::hash::{Hash, Hasher};
 use crate::gguf::TensorInfo;
 use crate::quant::GgmlType;
 
-/// The per-token values: the only thing that changes between replays. Every other per-token
+/// The per-step values: the only thing that changes between replays. Every other per-token
 /// quantity (ring row, window length, compressed-row counts, emit flags) is derived from `pos`.
+///
+/// A decode step is one token: `token` at `pos`, `count == 1`. A prefill chunk (a program with
+/// [`Program::rows`] > 1) covers `count` tokens at positions `pos .. pos + count`, whose ids the
+/// host writes into the program's [`Program::tokens`] buffer; row `r` of the chunk is evaluated
+/// with [`StepParams::row`]. The layout (four u32, 16 bytes) is what the GPU backends mirror.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct StepParams {
+    /// The token of a decode step (unused by a chunk: its tokens are in a buffer).
     pub token: u32,
+    /// The position of a decode step, or of a chunk's first row.
     pub pos: u32,
-    pub _reserved: [u32; 2],
+    /// Always 0: the wgpu shaders read it as a zero the compiler cannot see through.
+    pub _reserved: u32,
+    /// Tokens in the step: 1 for a decode step, the chunk length (1 ..= rows) for a chunk.
+    pub count: u32,
 }
 
 impl StepParams {
+    /// A decode step: one token at `pos`.
     pub fn new(token: u32, pos: u32) -> Self {
-        StepParams { token, pos, _reserved: [0; 2] }
+        StepParams { token, pos, _reserved: 0, count: 1 }
+    }
+    /// A prefill chunk of `count` tokens starting at position `pos`.
+    pub fn chunk(pos: u32, count: u32) -> Self {
+        StepParams { token: 0, pos, _reserved: 0, count }
+    }
+    /// The parameters row `r` of a chunk is evaluated with: a decode step of `token` at `pos + r`.
+    /// Predicates and bounds are evaluated per row from these, exactly as for a decode step.
+    pub fn row(&self, r: u32, token: u32) -> Self {
+        StepParams::new(token, self.pos + r)
     }
 }
 
@@ -51,12 +71,17 @@ pub enum BufKind {
     State { init: f32 },
 }
 
+/// A buffer: `rows` rows of `len` values. A decode program's buffers have one row; a chunk
+/// program's scratch has one row per token of the chunk (row `r` is the decode step's buffer for
+/// the chunk's row `r`), and its state, shared with the decode program, has one row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BufDesc {
     pub name: String,
     pub dtype: DType,
+    /// Values per row: what every op's sizes are checked against.
     pub len: usize,
     pub kind: BufKind,
+    pub rows: u32,
 }
 
 /// A predicate evaluated from `StepParams` at execution time.
@@ -109,10 +134,19 @@ impl Bound {
 }
 
 /// One recorded op and the predicate that guards it.
+///
+/// In a chunk program every op means "for each row `r < count`, with [`StepParams::row`]: the
+/// decode op on row `r` of each scratch buffer" (the predicate is evaluated per row too). A step
+/// with `seq: None` runs for all rows before the next step starts: its rows are independent, so
+/// a backend may batch them (a matrix-matrix product reads each weight once per chunk). Steps
+/// that share `seq: Some(k)` form a **row loop**: row 0 runs all of them, then row 1, and so on,
+/// because they carry state from one position to the next (the compressor window). In a decode
+/// program (one row) both mean the same.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Step {
     pub op: Op,
     pub cond: Option<Cond>,
+    pub seq: Option<u32>,
 }
 
 /// An immutable recorded token program.
@@ -123,10 +157,48 @@ pub struct Program {
     steps: Vec<Step>,
     logits: Buf,
     positions: u32,
+    rows: u32,
+    tokens: Option<Buf>,
     fingerprint: u64,
 }
 
 impl Program {
+    /// Token rows per step: 1 for a decode program, the chunk capacity T for a chunk program.
+    pub fn rows(&self) -> u32 {
+        self.rows
+    }
+    /// A chunk program's I32 buffer of token ids (one per row), written by the host before each
+    /// chunk; `None` for a decode program, which takes its token from `StepParams`.
+    pub fn tokens(&self) -> Option<Buf> {
+        self.tokens
+    }
+    /// The state buffers (KV ring, compressed caches, compressor windows), by name.
+    pub fn state_buffers(&self) -> impl Iterator<Item = (Buf, &BufDesc)> + '_ {
+        self.buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| matches!(d.kind, BufKind::State { .. }))
+            .map(|(i, d)| (Buf(i as u32), d))
+    }
+    /// Pairs each state buffer of `self` with the state buffer of `other` that has its name, so
+    /// that two programs of one session (decode and chunk) run on the same state. Refuses
+    /// programs whose state differs in any buffer's name, type, length or initial value.
+    pub fn state_binding(&self, other: &Program) -> Result<Vec<(Buf, Buf)>, String> {
+        let theirs: HashMap<&str, (Buf, &BufDesc)> =
+            other.state_buffers().map(|(b, d)| (d.name.as_str(), (b, d))).collect();
+        let mut out = Vec::new();
+        for (b, d) in self.state_buffers() {
+            match theirs.get(d.name.as_str()) {
+                Some(&(ob, od)) if od == d => out.push((b, ob)),
+                Some((_, od)) => return Err(format!("state buffer '{}' differs: {d:?} and {od:?}", d.name)),
+                None => return Err(format!("state buffer '{}' is missing from the other program", d.name)),
+            }
+        }
+        if out.len() != theirs.len() {
+            return Err(format!("the programs have {} and {} state buffers", out.len(), theirs.len()));
+        }
+        Ok(out)
+    }
     /// How many positions (0..positions) the program serves: the context capacity.
     pub fn positions(&self) -> u32 {
         self.positions
@@ -160,7 +232,7 @@ impl Program {
     }
     /// Bytes of all buffers (scratch and state).
     pub fn buffer_bytes(&self) -> u64 {
-        self.buffers.iter().map(|b| b.len as u64 * 4).sum()
+        self.buffers.iter().map(|b| b.len as u64 * b.rows as u64 * 4).sum()
     }
     /// Vocabulary size: the length of the logits buffer.
     pub fn n_vocab(&self) -> usize {
@@ -170,6 +242,9 @@ impl Program {
     /// recorded for (the caches would be written past their rows), or a token outside the
     /// vocabulary (the embedding and hash tables would be read out of bounds).
     pub fn check_params(&self, p: &StepParams) -> Result<(), String> {
+        if self.rows > 1 {
+            return Err("this is a chunk program: a step of it needs its tokens (check_chunk)".into());
+        }
         if p.pos >= self.positions {
             return Err(format!(
                 "position {} is outside the context of {} positions this program was recorded for",
@@ -181,6 +256,32 @@ impl Program {
         }
         Ok(())
     }
+    /// Refuses a chunk the program cannot run: no tokens or more than its rows, positions past
+    /// its context, or a token outside the vocabulary.
+    pub fn check_chunk(&self, p: &StepParams, tokens: &[u32]) -> Result<(), String> {
+        if self.tokens.is_none() {
+            return Err("this is a decode program, not a chunk program".into());
+        }
+        if p.count == 0 || p.count > self.rows || tokens.len() != p.count as usize {
+            return Err(format!(
+                "a chunk of {} tokens ({} given) does not fit this program's 1 ..= {} rows",
+                p.count,
+                tokens.len(),
+                self.rows
+            ));
+        }
+        let end = p.pos as u64 + p.count as u64;
+        if end > self.positions as u64 {
+            return Err(format!(
+                "positions {} .. {end} reach outside the context of {} positions this program was recorded for",
+                p.pos, self.positions
+            ));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.n_vocab()) {
+            return Err(format!("token id {t} is outside the vocabulary ({} tokens)", self.n_vocab()));
+        }
+        Ok(())
+    }
     /// Ops that run for `p` (their predicates hold).
     pub fn active_steps<'a>(&'a self, p: &'a StepParams) -> impl Iterator<Item = &'a Op> + 'a {
         self.steps.iter().filter(move |s| s.cond.is_none_or(|c| c.eval(p))).map(|s| &s.op)
@@ -188,32 +289,67 @@ impl Program {
 }
 
 /// Builds a [`Program`].
-#[derive(Default)]
 pub struct Recorder {
     buffers: Vec<BufDesc>,
     weights: Vec<TensorInfo>,
     weight_index: HashMap<String, WeightId>,
     steps: Vec<Step>,
     cond: Option<Cond>,
+    rows: u32,
+    seq: Option<u32>,
+    loops: u32,
+    tokens: Option<Buf>,
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Recorder::with_rows(1)
+    }
 }
 
 impl Recorder {
+    /// A decode program's recorder: one token per step.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// A per-token scratch buffer of `len` elements.
+    /// A chunk program's recorder: up to `rows` tokens per step (at least 1). With more than one
+    /// row it holds the chunk's token ids in an I32 buffer ([`Program::tokens`]).
+    pub fn with_rows(rows: u32) -> Self {
+        let mut rec = Recorder {
+            buffers: Vec::new(),
+            weights: Vec::new(),
+            weight_index: HashMap::new(),
+            steps: Vec::new(),
+            cond: None,
+            rows: rows.max(1),
+            seq: None,
+            loops: 0,
+            tokens: None,
+        };
+        if rec.rows > 1 {
+            rec.tokens = Some(rec.buffer("chunk_tokens", DType::I32, 1));
+        }
+        rec
+    }
+
+    /// Token rows per step.
+    pub fn rows(&self) -> u32 {
+        self.rows
+    }
+
+    /// A per-token scratch buffer of `len` elements (one row of them per token of a chunk).
     pub fn buffer(&mut self, name: &str, dtype: DType, len: usize) -> Buf {
-        self.add(name, dtype, len, BufKind::Scratch)
+        self.add(name, dtype, len, BufKind::Scratch, self.rows)
     }
 
     /// A state buffer that persists across tokens, filled with `init` at session start.
     pub fn state(&mut self, name: &str, dtype: DType, len: usize, init: f32) -> Buf {
-        self.add(name, dtype, len, BufKind::State { init })
+        self.add(name, dtype, len, BufKind::State { init }, 1)
     }
 
-    fn add(&mut self, name: &str, dtype: DType, len: usize, kind: BufKind) -> Buf {
-        self.buffers.push(BufDesc { name: name.to_string(), dtype, len, kind });
+    fn add(&mut self, name: &str, dtype: DType, len: usize, kind: BufKind, rows: u32) -> Buf {
+        self.buffers.push(BufDesc { name: name.to_string(), dtype, len, kind, rows });
         Buf(self.buffers.len() as u32 - 1)
     }
 
@@ -234,7 +370,7 @@ impl Recorder {
 
     /// Appends an op, guarded by the enclosing `when` predicate if any.
     pub fn push(&mut self, op: Op) {
-        self.steps.push(Step { op, cond: self.cond });
+        self.steps.push(Step { op, cond: self.cond, seq: self.seq });
     }
 
     /// Records the ops that `f` pushes under `cond`. Predicates do not nest.
@@ -243,6 +379,17 @@ impl Recorder {
         self.cond = Some(cond);
         f(self);
         self.cond = None;
+    }
+
+    /// Records the ops that `f` pushes as one row loop ([`Step::seq`]): in a chunk they run row
+    /// by row, in order, because each row reads state the previous rows wrote. Loops do not nest;
+    /// a `when` may sit inside one.
+    pub fn in_order(&mut self, f: impl FnOnce(&mut Recorder)) {
+        assert!(self.seq.is_none(), "row loops do not nest");
+        self.seq = Some(self.loops);
+        self.loops += 1;
+        f(self);
+        self.seq = None;
     }
 
     /// Checks every op's buffer and weight sizes, and freezes the program, which serves
@@ -254,13 +401,15 @@ impl Recorder {
             steps: self.steps,
             logits,
             positions,
+            rows: self.rows,
+            tokens: self.tokens,
             fingerprint: 0,
         };
         for (i, s) in p.steps.iter().enumerate() {
             validate(&p, &s.op).map_err(|e| format!("op #{i} ({}): {e}", s.op.name()))?;
         }
         let mut h = DefaultHasher::new();
-        format!("{:?}|{:?}|{:?}|{:?}|{}", p.buffers, p.weights, p.steps, p.logits, p.positions).hash(&mut h);
+        format!("{:?}|{:?}|{:?}|{:?}|{}|{}", p.buffers, p.weights, p.steps, p.logits, p.positions, p.rows).hash(&mut h);
         p.fingerprint = h.finish();
         Ok(p)
     }
