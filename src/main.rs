@@ -720,6 +720,12 @@ fn cmd_check(mut a: CheckArgs) -> Result<()> {
         if pos >= ctx {
             bail!("--bisect {pos} is past the context: -c/--ctx {ctx} holds positions 0 to {}", ctx - 1);
         }
+        // Bisecting runs the decode program op by op on both sides, over buffers of one shape:
+        // both sessions feed token by token (a chunked session's raw ring has more rows).
+        match a.m.prefill_chunk {
+            None | Some(1) => a.m.prefill_chunk = Some(1),
+            Some(n) => bail!("--bisect runs token by token; --prefill-chunk {n} cannot apply"),
+        }
     } else if let Some(n) = n_ids {
         if n > ctx {
             bail!("--token-ids gives {n} ids, more than -c/--ctx {ctx}");
