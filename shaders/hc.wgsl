@@ -35,66 +35,75 @@ fn embed_hc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     }
 }
 
+// The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n.
+var<workgroup> cm: array<f32, 64>;
+
+// Element k of the combine matrix after every invocation wrote its own: the write, then a
+// barrier before the reads, and one after them so that the next write cannot overtake a read.
+fn share(k: u32, v: f32) {
+    workgroupBarrier();
+    cm[k] = v;
+    workgroupBarrier();
+}
+
 // args: n_hc (at most 8), iters, eps. split = [pre | post | comb] from mix (B0), scale (V0) and
-// base (V1): sigmoid gates, then a softmax per dst row and Sinkhorn normalization, serially as
-// the CPU reference does (24 values: one invocation is enough).
-@compute @workgroup_size(1)
-fn hc_split() {
+// base (V1): sigmoid gates, then a softmax per dst row and Sinkhorn normalization. Invocation
+// k < n*n holds element k = src + dst*n; each row or column sum reads its n elements from
+// workgroup memory and adds them in the serial reference's order (src, or dst, ascending), so
+// every invocation computes exactly what the serial CPU reference does (kernels/hc.cu does the
+// same on the lanes of a warp). Every invocation reaches every barrier.
+@compute @workgroup_size(64)
+fn hc_split(@builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
         return;
     }
     let n = arg(0u);
     let iters = arg(1u);
     let eps = argf(2u);
-    for (var i = 0u; i < n; i = i + 1u) {
-        OUT[i] = fadd(fdiv(1.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[i], V0[0]), V1[i])))), eps);
-        OUT[n + i] = fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[n + i], V0[1]), V1[n + i]))));
+    if (lid < n) {
+        OUT[lid] = fadd(fdiv(1.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[0]), V1[lid])))), eps);
+    } else if (lid < 2u * n) {
+        OUT[lid] = fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[1]), V1[lid]))));
     }
-    // c[src + dst*n]
-    var c: array<f32, 64>;
-    for (var dst = 0u; dst < n; dst = dst + 1u) {
-        var mx = -1.0e30;
-        for (var src = 0u; src < n; src = src + 1u) {
-            let k = 2u * n + src + dst * n;
-            c[src + dst * n] = fadd(fmul(B0[k], V0[2]), V1[k]);
-            mx = max(mx, c[src + dst * n]);
-        }
-        var sum = zero();
-        for (var src = 0u; src < n; src = src + 1u) {
-            c[src + dst * n] = ds4_exp(fsub(c[src + dst * n], mx));
-            sum = fadd(sum, c[src + dst * n]);
-        }
-        let inv = fdiv(1.0, sum);
-        for (var src = 0u; src < n; src = src + 1u) {
-            c[src + dst * n] = fadd(fmul(c[src + dst * n], inv), eps);
-        }
+    let live = lid < n * n;
+    let k = min(lid, n * n - 1u);
+    let src = k % n;
+    let dst = k / n;
+    let row = dst * n;
+    // Softmax over src for each dst row, then + eps.
+    var c = fadd(fmul(B0[2u * n + k], V0[2]), V1[2u * n + k]);
+    share(lid, c);
+    var mx = -1.0e30;
+    for (var s = 0u; s < n; s = s + 1u) {
+        mx = max(mx, cm[row + s]);
     }
+    c = ds4_exp(fsub(c, mx));
+    share(lid, c);
+    var sum = zero();
+    for (var s = 0u; s < n; s = s + 1u) {
+        sum = fadd(sum, cm[row + s]);
+    }
+    c = fadd(fmul(c, fdiv(1.0, sum)), eps);
     for (var it = 0u; it < iters; it = it + 1u) {
         if (it > 0u) {
-            for (var dst = 0u; dst < n; dst = dst + 1u) {
-                var sum = zero();
-                for (var src = 0u; src < n; src = src + 1u) {
-                    sum = fadd(sum, c[src + dst * n]);
-                }
-                let inv = fdiv(1.0, fadd(sum, eps));
-                for (var src = 0u; src < n; src = src + 1u) {
-                    c[src + dst * n] = fmul(c[src + dst * n], inv);
-                }
+            // This dst row, over src.
+            share(lid, c);
+            var t = zero();
+            for (var s = 0u; s < n; s = s + 1u) {
+                t = fadd(t, cm[row + s]);
             }
+            c = fmul(c, fdiv(1.0, fadd(t, eps)));
         }
-        for (var src = 0u; src < n; src = src + 1u) {
-            var sum = zero();
-            for (var dst = 0u; dst < n; dst = dst + 1u) {
-                sum = fadd(sum, c[src + dst * n]);
-            }
-            let inv = fdiv(1.0, fadd(sum, eps));
-            for (var dst = 0u; dst < n; dst = dst + 1u) {
-                c[src + dst * n] = fmul(c[src + dst * n], inv);
-            }
+        // This src column, over dst.
+        share(lid, c);
+        var t = zero();
+        for (var d = 0u; d < n; d = d + 1u) {
+            t = fadd(t, cm[src + d * n]);
         }
+        c = fmul(c, fdiv(1.0, fadd(t, eps)));
     }
-    for (var k = 0u; k < n * n; k = k + 1u) {
-        OUT[2u * n + k] = c[k];
+    if (live) {
+        OUT[2u * n + k] = c;
     }
 }
 

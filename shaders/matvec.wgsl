@@ -255,3 +255,164 @@ fn mat_vec_f32_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     }
     OUT[row0 + r] = total;
 }
+
+// Split-K for narrow matrices (few rows, long rows): one workgroup per row, subgroup s of its 8
+// sums the chunks s, s + 8, ... into `part`, and invocation 0 adds the chunk sums in order from
+// +0: the same bits as one 32-lane group doing the whole row (kernels/matvec.cu does the same
+// split over blocks). Rows of at most 64 chunks. args: in_dim, rows, rows_per_group, row0.
+var<workgroup> part: array<f32, 64>;
+
+// acc plus the 8 terms w[k] * x[k] in order (w: 4 words of 2 halves; x: 8 values).
+fn add8_f16(acc0: f32, w: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>) -> f32 {
+    var acc = fadd(acc0, fmul(h2f(w.x & 0xffffu), x0.x));
+    acc = fadd(acc, fmul(h2f(w.x >> 16u), x0.y));
+    acc = fadd(acc, fmul(h2f(w.y & 0xffffu), x0.z));
+    acc = fadd(acc, fmul(h2f(w.y >> 16u), x0.w));
+    acc = fadd(acc, fmul(h2f(w.z & 0xffffu), x1.x));
+    acc = fadd(acc, fmul(h2f(w.z >> 16u), x1.y));
+    acc = fadd(acc, fmul(h2f(w.w & 0xffffu), x1.z));
+    return fadd(acc, fmul(h2f(w.w >> 16u), x1.w));
+}
+
+// acc plus the 4 terms w[k] * x[k] in order.
+fn add4_f32(acc0: f32, w: vec4<f32>, x: vec4<f32>) -> f32 {
+    var acc = fadd(acc0, fmul(w.x, x.x));
+    acc = fadd(acc, fmul(w.y, x.y));
+    acc = fadd(acc, fmul(w.z, x.z));
+    return fadd(acc, fmul(w.w, x.w));
+}
+
+fn x4(i: u32) -> vec4<f32> {
+    return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]);
+}
+fn w4(i: u32) -> vec4<u32> {
+    return vec4<u32>(W[i], W[i + 1u], W[i + 2u], W[i + 3u]);
+}
+
+// The 16 terms lane `lane` adds of the F16 chunk that starts at term c0 (8 consecutive per step;
+// row wr and vector xg are term offsets).
+fn chunk_f16(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
+    var acc = zero();
+    if (c0 + 512u <= in_dim) {
+        // A whole chunk: every load first, then the adds in order.
+        let i0 = c0 + lane * 8u;
+        let a = w4((wr + i0) / 2u);
+        let b = w4((wr + i0 + 256u) / 2u);
+        let p0 = x4(xg + i0);
+        let p1 = x4(xg + i0 + 4u);
+        let q0 = x4(xg + i0 + 256u);
+        let q1 = x4(xg + i0 + 260u);
+        return add8_f16(add8_f16(acc, a, p0, p1), b, q0, q1);
+    }
+    for (var u = 0u; u < 2u; u = u + 1u) {
+        let base = c0 + u * 256u + lane * 8u;
+        for (var v = 0u; v < 8u; v = v + 2u) {
+            let i = base + v;
+            if (i < in_dim) {
+                let w = W[(wr + i) / 2u];
+                acc = fadd(acc, fmul(h2f(w & 0xffffu), X[xg + i]));
+                acc = fadd(acc, fmul(h2f(w >> 16u), X[xg + i + 1u]));
+            }
+        }
+    }
+    return acc;
+}
+
+// The 16 terms lane `lane` adds of the F32 chunk that starts at term c0 (4 consecutive per step).
+fn chunk_f32(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
+    var acc = zero();
+    if (c0 + 512u <= in_dim) {
+        let i0 = c0 + lane * 4u;
+        let w0 = bitcast<vec4<f32>>(w4(wr + i0));
+        let w1 = bitcast<vec4<f32>>(w4(wr + i0 + 128u));
+        let w2 = bitcast<vec4<f32>>(w4(wr + i0 + 256u));
+        let w3 = bitcast<vec4<f32>>(w4(wr + i0 + 384u));
+        let y0 = x4(xg + i0);
+        let y1 = x4(xg + i0 + 128u);
+        let y2 = x4(xg + i0 + 256u);
+        let y3 = x4(xg + i0 + 384u);
+        return add4_f32(add4_f32(add4_f32(add4_f32(acc, w0, y0), w1, y1), w2, y2), w3, y3);
+    }
+    for (var u = 0u; u < 4u; u = u + 1u) {
+        let base = c0 + u * 128u + lane * 4u;
+        for (var v = 0u; v < 4u; v = v + 1u) {
+            let i = base + v;
+            if (i < in_dim) {
+                acc = fadd(acc, fmul(bitcast<f32>(W[wr + i]), X[xg + i]));
+            }
+        }
+    }
+    return acc;
+}
+
+@compute @workgroup_size(256)
+fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let lane = lid % 32u;
+    let r = group_index(wid, nwg);
+    let rr = min(r, rows - 1u);
+    let xg = ((row0 + rr) / arg(2u)) * in_dim;
+    let wr = rr * in_dim;
+    let n_chunks = (in_dim + 511u) / 512u;
+    for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
+        let c = cb + lid / 32u;
+        var acc = zero();
+        if (c < n_chunks) {
+            acc = chunk_f16(wr, xg, c * 512u, in_dim, lane);
+        }
+        let s = lane_sum(acc, lid);
+        if (c < n_chunks && lane == 0u) {
+            part[c] = s;
+        }
+    }
+    workgroupBarrier();
+    if (r < rows && lid == 0u) {
+        var total = zero();
+        for (var c = 0u; c < n_chunks; c = c + 1u) {
+            total = fadd(total, part[c]);
+        }
+        OUT[row0 + r] = total;
+    }
+}
+
+@compute @workgroup_size(256)
+fn mat_vec_f32_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let lane = lid % 32u;
+    let r = group_index(wid, nwg);
+    let rr = min(r, rows - 1u);
+    let xg = ((row0 + rr) / arg(2u)) * in_dim;
+    let wr = rr * in_dim;
+    let n_chunks = (in_dim + 511u) / 512u;
+    for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
+        let c = cb + lid / 32u;
+        var acc = zero();
+        if (c < n_chunks) {
+            acc = chunk_f32(wr, xg, c * 512u, in_dim, lane);
+        }
+        let s = lane_sum(acc, lid);
+        if (c < n_chunks && lane == 0u) {
+            part[c] = s;
+        }
+    }
+    workgroupBarrier();
+    if (r < rows && lid == 0u) {
+        var total = zero();
+        for (var c = 0u; c < n_chunks; c = c + 1u) {
+            total = fadd(total, part[c]);
+        }
+        OUT[row0 + r] = total;
+    }
+}

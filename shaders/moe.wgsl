@@ -96,6 +96,8 @@ fn router_select(@builtin(local_invocation_index) lid: u32) {
 }
 
 var<workgroup> qv: array<i32, 256>;
+var<workgroup> qa: array<f32, 256>;
+var<workgroup> qi: array<u32, 256>;
 
 // args: nb (blocks in the output layout). One workgroup per 256 values of F0 into XQ: max is the
 // value of largest magnitude (the first one on ties), iscale = -127/max, q = round(iscale * x),
@@ -108,15 +110,29 @@ fn quantize_q8_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     let nb = arg(0u);
     let b = wid.x;
     let v = F0[b * 256u + lid];
-    var amax = 0.0;
-    var mx = 0.0;
-    for (var i = 0u; i < 256u; i = i + 1u) {
-        let x = F0[b * 256u + i];
-        if (abs(x) > amax) {
-            amax = abs(x);
-            mx = x;
-        }
+    // The serial scan keeps the first value of largest magnitude (NaN and zeros never taken): a
+    // tree over (|x|, index) that keeps the larger magnitude, the lower index on ties, picks the
+    // same value in 8 steps instead of 256.
+    var key = 0.0;
+    if (abs(v) > 0.0) {
+        key = abs(v);
     }
+    qa[lid] = key;
+    qi[lid] = lid;
+    workgroupBarrier();
+    for (var off = 128u; off > 0u; off = off / 2u) {
+        if (lid < off) {
+            let a2 = qa[lid + off];
+            let i2 = qi[lid + off];
+            if (a2 > qa[lid] || (a2 == qa[lid] && i2 < qi[lid])) {
+                qa[lid] = a2;
+                qi[lid] = i2;
+            }
+        }
+        workgroupBarrier();
+    }
+    let amax = qa[0];
+    let mx = F0[b * 256u + qi[0]];
     var iscale = 0.0;
     var q = 0;
     if (amax != 0.0) {

@@ -81,7 +81,7 @@ pub struct Plan {
 pub fn shader_of(entry: &str) -> Option<&'static str> {
     Some(match entry {
         "quantize_q8_0" | "mat_vec_q8_0" | "mat_vec_f16" | "mat_vec_f32" | "mat_vec_q8_0_rows" | "mat_vec_f16_rows"
-        | "mat_vec_f32_rows" => "matvec",
+        | "mat_vec_f32_rows" | "mat_vec_f16_split" | "mat_vec_f32_split" => "matvec",
         "rms_norm" => "norm",
         "swiglu" | "add" => "elementwise",
         "rope_tail" => "rope",
@@ -94,6 +94,17 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "moe_down_rows" => "moe",
         _ => return None,
     })
+}
+
+/// Outputs of an RMS norm row per workgroup (4 per invocation) when the output is not the input.
+const NORM_SLICE: u32 = 1024;
+
+/// Whether a dense F16 / F32 matrix runs split-K (a workgroup per row, its chunks over 8
+/// groups of 32 lanes): narrow matrices of long rows, such as the HC mix projections (24 rows
+/// of 16384 on Flash), where 32 lanes per row would leave the GPU nearly idle.
+fn split_k(rows: u32, in_dim: u64) -> bool {
+    let chunks = in_dim.div_ceil(crate::numerics::CHUNK as u64);
+    rows < 2048 && (2..=64).contains(&chunks)
 }
 
 fn pack_cond(c: Option<Cond>) -> [u32; 3] {
@@ -222,6 +233,9 @@ impl Builder<'_> {
                     _ => "mat_vec_f32_rows",
                 };
                 self.push(entry, groups(rows as usize, 64), args, binds);
+            } else if entry != "mat_vec_q8_0" && split_k(rows, in_dim) {
+                let entry = if entry == "mat_vec_f16" { "mat_vec_f16_split" } else { "mat_vec_f32_split" };
+                self.push(entry, rows, args, binds);
             } else {
                 self.push(entry, groups(rows as usize, 8), args, binds);
             }
@@ -256,14 +270,19 @@ impl Builder<'_> {
                 if n as usize > 64 * crate::numerics::CHUNK {
                     return Err(format!("RMS norm rows of {n} exceed the shader's 64 chunks"));
                 }
+                // Long rows are written by several workgroups, each summing the whole row
+                // (the same bits in each); in place, one workgroup must read before it writes.
+                let per = if x == out { n.max(1) } else { NORM_SLICE };
+                let slices = n.div_ceil(per).max(1);
                 let binds = vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, wv)];
-                self.push("rms_norm", rows, vec![n, eps.to_bits(), weight.is_some() as u32], binds);
+                let args = vec![n, eps.to_bits(), weight.is_some() as u32, slices, per, rows * slices];
+                self.push("rms_norm", rows * slices, args, binds);
             }
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
             Op::MatVecGrouped { w, x, out, groups } => self.mat_vec(w, x, out, groups)?,
             Op::HcSplit { mix, scale, base, split, n_hc, iters, eps } => {
-                if n_hc > 8 {
-                    return Err(format!("the HC shader takes at most 8 streams, not {n_hc}"));
+                if n_hc == 0 || n_hc > 8 {
+                    return Err(format!("the HC shader takes 1 to 8 streams, not {n_hc}"));
                 }
                 let (s, b) = (self.vector(scale)?, self.vector(base)?);
                 let binds = vec![(2, Res::Buf(mix)), (5, Res::Buf(split)), (6, s), (7, b)];
