@@ -20,6 +20,22 @@ fn lane_sum(v: f32, lid: u32) -> f32 {
     return s;
 }
 
+// lane_sum over groups of `width` lanes (a power of two, at most 32; uniform): the butterfly's
+// steps o = width/2, ..., 1 (lanes_subgroup.wgsl says why that is lane_sum's result).
+fn lane_sum_w(v: f32, lid: u32, width: u32) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var off = width / 2u; off > 0u; off = off / 2u) {
+        let t = fadd(red[lid], red[lid ^ off]);
+        workgroupBarrier();
+        red[lid] = t;
+        workgroupBarrier();
+    }
+    let s = red[lid];
+    workgroupBarrier();
+    return s;
+}
+
 fn lane_max(v: f32, lid: u32) -> f32 {
     red[lid] = v;
     workgroupBarrier();

@@ -46,9 +46,51 @@ fn quantize_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     }
 }
 
+// The Q8_0 weight and activation again, as vectors of 4 words, for mat_vec_q8_0's 16-byte loads
+// (the only entry point that uses these two; naga checks bindings per entry point). Quants are
+// 32 bytes per block in both, so block b is vectors 2b and 2b + 1; the backend pads both buffers
+// to whole vectors.
+@group(0) @binding(2) var<storage, read> W4: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read_write> XQ4: array<vec4<u32>>;
+
+// One lane's block of a Q8_0 row: its quants and the word holding its f16 scale (shifted down).
+struct Q8Block {
+    w0: vec4<u32>,
+    w1: vec4<u32>,
+    s: u32,
+}
+
+// Block b of the row whose quants start at vector wq and scales at half hs; zeros past nb.
+fn q8_load(wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
+    var k = Q8Block(vec4<u32>(0u), vec4<u32>(0u), 0u);
+    if (b < nb) {
+        k.w0 = W4[wq + 2u * b];
+        k.w1 = W4[wq + 2u * b + 1u];
+        let h = hs + b;
+        k.s = W4[h / 8u][(h / 2u) % 4u] >> ((h % 2u) * 16u);
+    }
+    return k;
+}
+
+// The lane's partial sum of one chunk, from +0: (f16(d_w) * d_x) * isum for block b < nb.
+fn q8_chunk(k: Q8Block, xq: u32, xd: u32, b: u32, nb: u32) -> f32 {
+    var acc = zero();
+    if (b < nb) {
+        let x0 = XQ4[xq + 2u * b];
+        let x1 = XQ4[xq + 2u * b + 1u];
+        let dx = bitcast<f32>(XQ4[(xd + b) / 4u][(xd + b) % 4u]);
+        let isum = dot4i8(k.w0.x, x0.x) + dot4i8(k.w0.y, x0.y) + dot4i8(k.w0.z, x0.z) + dot4i8(k.w0.w, x0.w)
+            + dot4i8(k.w1.x, x1.x) + dot4i8(k.w1.y, x1.y) + dot4i8(k.w1.z, x1.z) + dot4i8(k.w1.w, x1.w);
+        acc = fadd(acc, fmul(fmul(h2f(k.s & 0xffffu), dx), f32(isum)));
+    }
+    return acc;
+}
+
 // args: in_dim, rows (in this chunk), rows_per_group, row0, d_off (XQ scales), ws_off (word of the
 // chunk's f16 scales). Weights repacked at upload: each row's quants (8 words per block), then
-// all f16 scales. Block term: (f16(d_w) * d_x) * isum.
+// all f16 scales. Block term: (f16(d_w) * d_x) * isum. 32 lanes per row, 8 rows per workgroup;
+// a lane reads its block as two 16-byte vectors, and the weights of 4 chunks (kernels/matvec.cu:
+// Q8_EARLY_CHUNKS) are all requested before the first sum, then the chunk sums add in order.
 @compute @workgroup_size(256)
 fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
@@ -65,23 +107,27 @@ fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let rr = min(r, rows - 1u);
     let nb = in_dim / 32u;
     let g = (row0 + rr) / arg(2u);
+    let wq = rr * nb * 2u;
+    let hs = ws_off * 2u + rr * nb;
+    let xq = g * nb * 2u;
+    let xd = d_off + g * nb;
     var total = zero();
-    for (var c = 0u; c < nb; c = c + 32u) {
-        var acc = zero();
-        let b = c + lane;
-        if (b < nb) {
-            var isum = 0;
-            let wq = (rr * nb + b) * 8u;
-            let xq = (g * nb + b) * 8u;
-            for (var k = 0u; k < 8u; k = k + 1u) {
-                isum = isum + dot4i8(W[wq + k], XQ[xq + k]);
-            }
-            let hi = ws_off * 2u + rr * nb + b;
-            let ws = h2f((W[hi / 2u] >> ((hi % 2u) * 16u)) & 0xffffu);
-            let dx = bitcast<f32>(XQ[d_off + g * nb + b]);
-            acc = fadd(acc, fmul(fmul(ws, dx), f32(isum)));
+    for (var c = 0u; c < nb; c = c + 128u) {
+        let k0 = q8_load(wq, hs, c + lane, nb);
+        let k1 = q8_load(wq, hs, c + 32u + lane, nb);
+        let k2 = q8_load(wq, hs, c + 64u + lane, nb);
+        let k3 = q8_load(wq, hs, c + 96u + lane, nb);
+        // Chunks past the row's end are skipped whole (a uniform condition).
+        total = fadd(total, lane_sum(q8_chunk(k0, xq, xd, c + lane, nb), lid));
+        if (c + 32u < nb) {
+            total = fadd(total, lane_sum(q8_chunk(k1, xq, xd, c + 32u + lane, nb), lid));
         }
-        total = fadd(total, lane_sum(acc, lid));
+        if (c + 64u < nb) {
+            total = fadd(total, lane_sum(q8_chunk(k2, xq, xd, c + 64u + lane, nb), lid));
+        }
+        if (c + 96u < nb) {
+            total = fadd(total, lane_sum(q8_chunk(k3, xq, xd, c + 96u + lane, nb), lid));
+        }
     }
     if (r < rows && lane == 0u) {
         OUT[row0 + r] = total;

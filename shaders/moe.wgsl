@@ -172,14 +172,18 @@ fn wword(t: u32, i: u32) -> u32 {
     }
     return DOWN[i];
 }
-fn wbyte(t: u32, i: u32) -> u32 {
-    return (wword(t, i / 4u) >> ((i % 4u) * 8u)) & 255u;
-}
+// The f16 at byte i (even: it never straddles two words), one word load.
 fn wu16(t: u32, i: u32) -> u32 {
-    return wbyte(t, i) | (wbyte(t, i + 1u) << 8u);
+    return (wword(t, i / 4u) >> ((i % 4u) * 8u)) & 0xffffu;
 }
-fn wu32(t: u32, i: u32) -> u32 {
-    return wu16(t, i) | (wu16(t, i + 2u) << 16u);
+// Byte i of a vector of 4 words held in registers.
+fn vbyte(v: vec4<u32>, i: u32) -> u32 {
+    return (v[i / 4u] >> ((i % 4u) * 8u)) & 255u;
+}
+// A u32 that starts half a word into lo (its high half, then hi's low half) when `straddle`,
+// else lo itself.
+fn funnel16(lo: u32, hi: u32, straddle: bool) -> u32 {
+    return select(lo, (lo >> 16u) | (hi << 16u), straddle);
 }
 
 // Q8_K block b of the activation (0: XQ, 1: MQ) with nb blocks: d, bsum j.
@@ -196,14 +200,14 @@ fn qbsum(a: u32, nb: u32, b: u32, j: u32) -> i32 {
     return i32(MQ[nb + b * 16u + j]);
 }
 
-// Q4_K 6-bit scale and min of sub-block j (0..8); s is the byte offset of the 12 scale bytes.
-fn q4k_scale_min(t: u32, s: u32, j: u32) -> vec2<i32> {
+// Q4_K 6-bit scale and min of sub-block j (0..8) from its 12 scale bytes (bytes 0..12 of sc).
+fn q4k_scale_min(sc: vec4<u32>, j: u32) -> vec2<i32> {
     if (j < 4u) {
-        return vec2<i32>(i32(wbyte(t, s + j) & 63u), i32(wbyte(t, s + j + 4u) & 63u));
+        return vec2<i32>(i32(vbyte(sc, j) & 63u), i32(vbyte(sc, j + 4u) & 63u));
     }
-    let sc = (wbyte(t, s + j + 4u) & 15u) | ((wbyte(t, s + j - 4u) >> 6u) << 4u);
-    let m = (wbyte(t, s + j + 4u) >> 4u) | ((wbyte(t, s + j) >> 6u) << 4u);
-    return vec2<i32>(i32(sc), i32(m));
+    let s = (vbyte(sc, j + 4u) & 15u) | ((vbyte(sc, j - 4u) >> 6u) << 4u);
+    let m = (vbyte(sc, j + 4u) >> 4u) | ((vbyte(sc, j) >> 6u) << 4u);
+    return vec2<i32>(i32(s), i32(m));
 }
 
 // Word k (4 quants) of Q8_K block (a, nb, b).
@@ -227,12 +231,18 @@ fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
     let yd = qd(a, nb, b);
     if (ty == 16u) {
         // IQ2_XXS: f16 d, then per 32 values two u32: 4 grid indices, 4x7 sign bits + 4-bit scale.
-        // Grid bytes are below 128, so a negated byte is the same bytes subtracted.
+        // Grid bytes are below 128, so a negated byte is the same bytes subtracted. Blocks are
+        // 66 bytes, so a block's u32s start on a word or half a word past one: whole-word loads,
+        // joined where they straddle (3 loads per 8 bytes instead of one per byte).
+        let straddle = (at % 4u) == 0u;
+        let w0 = (at + 2u) / 4u;
         var bsum = 0;
         for (var ib = 0u; ib < 8u; ib = ib + 1u) {
-            let g = at + 2u + 8u * ib;
-            let aux0 = wu32(t, g);
-            let aux1 = wu32(t, g + 4u);
+            let a0 = wword(t, w0 + 2u * ib);
+            let a1 = wword(t, w0 + 2u * ib + 1u);
+            let a2 = wword(t, w0 + 2u * ib + 2u);
+            let aux0 = funnel16(a0, a1, straddle);
+            let aux1 = funnel16(a1, a2, straddle);
             var sumi = 0;
             for (var l = 0u; l < 4u; l = l + 1u) {
                 let gi = (aux0 >> (8u * l)) & 255u;
@@ -252,50 +262,59 @@ fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
         }
         return fmul(fmul(h2f(wu16(t, at)), yd), f32(bsum));
     }
+    let w = at / 4u;
     if (ty == 10u) {
-        // Q2_K: scales[16], qs[64], f16 d, f16 dmin. Blocks are 84 bytes: word-aligned.
+        // Q2_K: scales[16], qs[64], f16 d, f16 dmin. Blocks are 84 bytes: word-aligned. Each
+        // word of quants and scales is loaded once.
+        let sc = vec4<u32>(wword(t, w), wword(t, w + 1u), wword(t, w + 2u), wword(t, w + 3u));
         var isum = 0;
         for (var half = 0u; half < 2u; half = half + 1u) {
+            let q = w + 4u + 8u * half;
+            let ql = vec4<u32>(wword(t, q), wword(t, q + 1u), wword(t, q + 2u), wword(t, q + 3u));
+            let qh = vec4<u32>(wword(t, q + 4u), wword(t, q + 5u), wword(t, q + 6u), wword(t, q + 7u));
             for (var j = 0u; j < 4u; j = j + 1u) {
-                var lo = 0;
-                var hi = 0;
-                for (var m = 0u; m < 4u; m = m + 1u) {
-                    let wl = (wword(t, (at + 16u + 32u * half) / 4u + m) >> (2u * j)) & 0x03030303u;
-                    let wh = (wword(t, (at + 32u + 32u * half) / 4u + m) >> (2u * j)) & 0x03030303u;
-                    lo = lo + dot4I8Packed(wl, qword(a, nb, b, 32u * half + 8u * j + m));
-                    hi = hi + dot4I8Packed(wh, qword(a, nb, b, 32u * half + 8u * j + 4u + m));
-                }
-                isum = isum + i32(wbyte(t, at + 8u * half + 2u * j) & 15u) * lo
-                    + i32(wbyte(t, at + 8u * half + 2u * j + 1u) & 15u) * hi;
+                let sh = 2u * j;
+                let k = 32u * half + 8u * j;
+                let wl = (ql >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
+                let wh = (qh >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
+                let lo = dot4I8Packed(wl.x, qword(a, nb, b, k)) + dot4I8Packed(wl.y, qword(a, nb, b, k + 1u))
+                    + dot4I8Packed(wl.z, qword(a, nb, b, k + 2u)) + dot4I8Packed(wl.w, qword(a, nb, b, k + 3u));
+                let hi = dot4I8Packed(wh.x, qword(a, nb, b, k + 4u)) + dot4I8Packed(wh.y, qword(a, nb, b, k + 5u))
+                    + dot4I8Packed(wh.z, qword(a, nb, b, k + 6u)) + dot4I8Packed(wh.w, qword(a, nb, b, k + 7u));
+                isum = isum + i32(vbyte(sc, 8u * half + 2u * j) & 15u) * lo
+                    + i32(vbyte(sc, 8u * half + 2u * j + 1u) & 15u) * hi;
             }
         }
         var summs = 0;
         for (var k = 0u; k < 16u; k = k + 1u) {
-            summs = summs + i32(wbyte(t, at + k) >> 4u) * qbsum(a, nb, b, k);
+            summs = summs + i32(vbyte(sc, k) >> 4u) * qbsum(a, nb, b, k);
         }
-        let dall = fmul(yd, h2f(wu16(t, at + 80u)));
-        let dmin = fmul(yd, h2f(wu16(t, at + 82u)));
+        let dd = wword(t, w + 20u);
+        let dall = fmul(yd, h2f(dd & 0xffffu));
+        let dmin = fmul(yd, h2f(dd >> 16u));
         return fsub(fmul(dall, f32(isum)), fmul(dmin, f32(summs)));
     }
     // Q4_K: f16 d, f16 dmin, scales[12], qs[128]. Blocks are 144 bytes: word-aligned.
+    let dd = wword(t, w);
+    let sc = vec4<u32>(wword(t, w + 1u), wword(t, w + 2u), wword(t, w + 3u), 0u);
     var isum = 0;
     var summs = 0;
     for (var c = 0u; c < 4u; c = c + 1u) {
-        let sm1 = q4k_scale_min(t, at + 4u, 2u * c);
-        let sm2 = q4k_scale_min(t, at + 4u, 2u * c + 1u);
+        let sm1 = q4k_scale_min(sc, 2u * c);
+        let sm2 = q4k_scale_min(sc, 2u * c + 1u);
         var lo = 0;
         var hi = 0;
         for (var m = 0u; m < 8u; m = m + 1u) {
-            let w = wword(t, (at + 16u + 32u * c) / 4u + m);
-            lo = lo + dot4I8Packed(w & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + m));
-            hi = hi + dot4I8Packed((w >> 4u) & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + 8u + m));
+            let q = wword(t, w + 4u + 8u * c + m);
+            lo = lo + dot4I8Packed(q & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + m));
+            hi = hi + dot4I8Packed((q >> 4u) & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + 8u + m));
         }
         isum = isum + sm1.x * lo + sm2.x * hi;
         summs = summs + sm1.y * (qbsum(a, nb, b, 4u * c) + qbsum(a, nb, b, 4u * c + 1u));
         summs = summs + sm2.y * (qbsum(a, nb, b, 4u * c + 2u) + qbsum(a, nb, b, 4u * c + 3u));
     }
-    let d = fmul(yd, h2f(wu16(t, at)));
-    let dmin = fmul(yd, h2f(wu16(t, at + 2u)));
+    let d = fmul(yd, h2f(dd & 0xffffu));
+    let dmin = fmul(yd, h2f(dd >> 16u));
     return fsub(fmul(d, f32(isum)), fmul(dmin, f32(summs)));
 }
 
@@ -310,10 +329,12 @@ fn block_bytes(ty: u32) -> u32 {
 }
 
 // The canonical dot of a weight row (n_blocks 256-blocks from byte `at`) with activation (a, nb,
-// first block b0) by 32 lanes: lane l takes block c + l of each 32-block chunk, the butterfly
-// reduces the chunk, the chunk sums add in order. IQ2_XXS rows end with * 0.125.
-fn row_dot(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, lid: u32) -> f32 {
-    let lane = lid % 32u;
+// first block b0) by `width` lanes (32, or the power of two >= n_blocks when that is smaller,
+// so that 32 / width rows share 32 lanes): lane l takes block c + l of each 32-block chunk, the
+// butterfly reduces the chunk (lane_sum_w: the same bits as 32 lanes of which the last hold
+// +0), the chunk sums add in order. IQ2_XXS rows end with * 0.125.
+fn row_dot(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, lid: u32, width: u32) -> f32 {
+    let lane = lid % width;
     var total = zero();
     for (var c = 0u; c < n_blocks; c = c + 32u) {
         var acc = zero();
@@ -321,7 +342,7 @@ fn row_dot(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, li
         if (b < n_blocks) {
             acc = fadd(acc, block_term(t, ty, at + b * block_bytes(ty), a, nb, b0 + b));
         }
-        total = fadd(total, lane_sum(acc, lid));
+        total = fadd(total, lane_sum_w(acc, lid, width));
     }
     if (ty == 16u) {
         total = fmul(0.125, total);
@@ -329,9 +350,10 @@ fn row_dot(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, li
     return total;
 }
 
-// args: gate_ty, up_ty, down_ty, in_dim, ff, out_dim, n_used, e0, e1, clamp, n_mid_blocks.
+// args: gate_ty, up_ty, down_ty, in_dim, ff, out_dim, n_used, e0, e1, clamp, n_mid_blocks,
+// width (lanes per row: 32, fewer for rows of fewer than 32 blocks).
 // mid (F0)[slot][r] = silu(min(gate,c)) * clamp(up,+-c) * weight[slot], for the slots whose
-// expert is in this dispatch's range; 32 lanes per (slot, row).
+// expert is in this dispatch's range; `width` lanes per (slot, row), 256 / width per workgroup.
 @compute @workgroup_size(256)
 fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
@@ -343,7 +365,8 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n_used = arg(6u);
     let e0 = arg(7u);
     let e1 = arg(8u);
-    let item = group_index(wid, nwg) * 8u + lid / 32u;
+    let width = arg(11u);
+    let item = group_index(wid, nwg) * (256u / width) + lid / width;
     let it = min(item, n_used * ff - 1u);
     let slot = it / ff;
     let r = it % ff;
@@ -353,15 +376,15 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let nbx = in_dim / 256u;
     let g_at = (el * ff + r) * nbx * block_bytes(arg(0u));
     let u_at = (el * ff + r) * nbx * block_bytes(arg(1u));
-    let g = row_dot(0u, arg(0u), g_at, nbx, 0u, nbx, 0u, lid);
-    let u = row_dot(1u, arg(1u), u_at, nbx, 0u, nbx, 0u, lid);
-    if (mine && lid % 32u == 0u) {
+    let g = row_dot(0u, arg(0u), g_at, nbx, 0u, nbx, 0u, lid, width);
+    let u = row_dot(1u, arg(1u), u_at, nbx, 0u, nbx, 0u, lid, width);
+    if (mine && lid % width == 0u) {
         F0[it] = fmul(swiglu_clamped(g, u, argf(9u)), WEIGHTS[slot]);
     }
 }
 
-// args as moe_gate_up. partial (F1)[slot][r] = down_e(row r) . midq[slot], for the slots whose
-// expert is in range; 32 lanes per (slot, row).
+// args as moe_gate_up, then width for the down rows (arg 12). partial (F1)[slot][r] = down_e(row
+// r) . midq[slot], for the slots whose expert is in range; `width` lanes per (slot, row).
 @compute @workgroup_size(256)
 fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -373,7 +396,8 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let n_used = arg(6u);
     let e0 = arg(7u);
     let e1 = arg(8u);
-    let item = group_index(wid, nwg) * 8u + lid / 32u;
+    let width = arg(12u);
+    let item = group_index(wid, nwg) * (256u / width) + lid / width;
     let it = min(item, n_used * out_dim - 1u);
     let slot = it / out_dim;
     let r = it % out_dim;
@@ -382,8 +406,8 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let el = select(0u, e - e0, e >= e0 && e < e1);
     let nbm = ff / 256u;
     let at = (el * out_dim + r) * nbm * block_bytes(arg(2u));
-    let v = row_dot(2u, arg(2u), at, nbm, 1u, arg(10u), slot * nbm, lid);
-    if (mine && lid % 32u == 0u) {
+    let v = row_dot(2u, arg(2u), at, nbm, 1u, arg(10u), slot * nbm, lid, width);
+    if (mine && lid % width == 0u) {
         F1[it] = v;
     }
 }

@@ -70,6 +70,15 @@ fn wgpu_32_lane_rows_equal_canonical_cpu_on_the_golden_tokens() {
     compare(&model, &gpu, &tokens[..40], 0, 256);
 }
 
+/// The 32-lane shape on `small` too: its expert rows of 4 blocks run 8 rows per 32 lanes
+/// (`moe_gate_up` / `moe_down` with fewer lanes per row), which tiny's 1-block rows do not show.
+#[test]
+fn wgpu_32_lane_rows_equal_canonical_cpu_on_small_tokens() {
+    let model = preset_model(&Preset::small());
+    let gpu = wgpu_tuned(Tuning { rows_per_invocation: Some(false), ..Tuning::default() });
+    assert_eq!(compare(&model, &gpu, &[1, 7, 300, 42], 4, 64), 8);
+}
+
 #[test]
 fn wgpu_equals_canonical_cpu_over_200_small_tokens() {
     let model = preset_model(&Preset::small());

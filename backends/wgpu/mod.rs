@@ -234,8 +234,13 @@ mod imp {
     }
 
     /// Pads bytes to a whole number of 4-byte words (at least one).
-    fn padded(mut v: Vec<u8>) -> Vec<u8> {
-        let n = v.len().div_ceil(4).max(1) * 4;
+    fn padded(v: Vec<u8>) -> Vec<u8> {
+        padded_to(v, 4)
+    }
+
+    /// Pads bytes to a whole number of `align`-byte units (at least one).
+    fn padded_to(mut v: Vec<u8>, align: usize) -> Vec<u8> {
+        let n = v.len().div_ceil(align).max(1) * align;
         v.resize(n, 0);
         v
     }
@@ -332,12 +337,13 @@ mod imp {
                         let rb = t.ty.row_bytes(t.dim(0) as usize);
                         for &(r0, n) in ranges {
                             let bytes = &data[r0 as usize * rb..(r0 + n) as usize * rb];
+                            // Q8_0 in whole 16-byte vectors: mat_vec_q8_0 reads it as vec4<u32>.
                             let bytes = if t.ty == GgmlType::Q8_0 {
-                                gpu_tables::repack_blocks(t.ty, bytes).into_owned()
+                                padded_to(gpu_tables::repack_blocks(t.ty, bytes).into_owned(), 16)
                             } else {
-                                bytes.to_vec()
+                                padded(bytes.to_vec())
                             };
-                            weights.push(make(&t.name, &padded(bytes)));
+                            weights.push(make(&t.name, &bytes));
                         }
                     }
                     Layout::Experts(ranges) => {

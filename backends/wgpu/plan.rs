@@ -172,7 +172,7 @@ impl Builder<'_> {
     }
     /// Splits `n` items of `bytes` each into ranges that fit one binding.
     fn ranges(&self, what: &str, n: u64, bytes: u64) -> Result<Vec<(u32, u32)>, String> {
-        let per = (self.max_binding.saturating_sub(4) / bytes.max(1)).min(n);
+        let per = (self.max_binding.saturating_sub(16) / bytes.max(1)).min(n);
         if per == 0 {
             return Err(format!(
                 "one {what} of {bytes} bytes is larger than the adapter's largest storage binding ({} bytes)",
@@ -207,7 +207,8 @@ impl Builder<'_> {
                 if !fresh {
                     let n = self.len(x) as u64;
                     let d_off = (n / 4) as u32;
-                    self.need(Scratch::Q8, n + n / 32 * 4);
+                    // Whole 16-byte vectors: mat_vec_q8_0 reads the scratch as vec4<u32>.
+                    self.need(Scratch::Q8, (n + n / 32 * 4).div_ceil(16) * 16);
                     let binds = vec![(3, Res::Buf(x)), (5, Res::Scratch(Scratch::Q8))];
                     self.push("quantize_q8_0", groups(n as usize / 32, 8), vec![n as u32, d_off], binds);
                     self.q8_of = Some((x, self.cond));
@@ -448,9 +449,28 @@ impl Builder<'_> {
                 self.push("quantize_q8_k", nbx as u32, vec![nbx as u32], binds);
                 let q8k = [(5, Res::Scratch(Scratch::Q8KX)), (6, Res::Scratch(Scratch::Q8KMid)), (7, Res::Grid)];
                 // The arguments of the gate/up and down dispatches over experts e0 .. e0 + n.
+                // Lanes per expert row: 32, or fewer for rows of fewer than 32 blocks (Flash: 16
+                // for gate/up, 8 for down), so that no lane of a 32-lane group idles.
+                let width = |blocks: u64| blocks.next_power_of_two().clamp(1, 32) as u32;
+                let (w_gu, w_down) = (width(nbx), width(ff / 256));
                 let moe_args = |e0: u32, n: u32| {
                     let (in_dim, ff, out_dim, n_used) = (in_dim as u32, ff as u32, out_dim as u32, n_used as u32);
-                    vec![g_ty, u_ty, d_ty, in_dim, ff, out_dim, n_used, e0, e0 + n, clamp.to_bits(), nb_mid as u32]
+                    let nb_mid = nb_mid as u32;
+                    vec![
+                        g_ty,
+                        u_ty,
+                        d_ty,
+                        in_dim,
+                        ff,
+                        out_dim,
+                        n_used,
+                        e0,
+                        e0 + n,
+                        clamp.to_bits(),
+                        nb_mid,
+                        w_gu,
+                        w_down,
+                    ]
                 };
                 for (k, &(e0, n)) in ranges.iter().enumerate() {
                     let args = moe_args(e0, n);
@@ -466,7 +486,10 @@ impl Builder<'_> {
                     binds.extend(q8k);
                     match self.rows {
                         true => self.push("moe_gate_up_rows", groups((n_used * ff) as usize, 64), args, binds),
-                        false => self.push("moe_gate_up", groups((n_used * ff) as usize, 8), args, binds),
+                        false => {
+                            let per = 256 / w_gu as usize;
+                            self.push("moe_gate_up", groups((n_used * ff) as usize, per), args, binds)
+                        }
                     }
                 }
                 let binds = vec![(5, Res::Scratch(Scratch::Q8KMid)), (10, Res::Scratch(Scratch::Mid))];
@@ -484,7 +507,10 @@ impl Builder<'_> {
                     binds.extend(q8k);
                     match self.rows {
                         true => self.push("moe_down_rows", groups((n_used * out_dim) as usize, 64), args, binds),
-                        false => self.push("moe_down", groups((n_used * out_dim) as usize, 8), args, binds),
+                        false => {
+                            let per = 256 / w_down as usize;
+                            self.push("moe_down", groups((n_used * out_dim) as usize, per), args, binds)
+                        }
                     }
                 }
                 let binds = vec![(10, Res::Buf(out)), (11, Res::Scratch(Scratch::Partial))];
