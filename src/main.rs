@@ -1086,7 +1086,7 @@ fn cmd_inspect(path: &Path, vram_budget: Option<u64>, ctx: usize) -> Result<()> 
         let footprint = ds4::placement::Footprint::of(&program, c.n_expert_used, c.n_expert);
         let plan = ds4::placement::plan(&footprint, budget).with_context(|| format!("--vram-budget at --ctx {ctx}"))?;
         out!("{}", plan.table().trim_end());
-        out!("(a plan only: the CUDA backend still needs every weight in device memory)");
+        out!("(the CUDA backend plans the same at load, with its scratch buffers counted too: run it with --vram-budget)");
     }
     Ok(())
 }
