@@ -7,17 +7,7 @@
 var<workgroup> red: array<f32, 256>;
 
 fn lane_sum(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var off = 16u; off > 0u; off = off / 2u) {
-        let t = fadd(red[lid], red[lid ^ off]);
-        workgroupBarrier();
-        red[lid] = t;
-        workgroupBarrier();
-    }
-    let s = red[lid];
-    workgroupBarrier();
-    return s;
+    return lane_sum_w(v, lid, 32u);
 }
 
 // lane_sum over groups of `width` lanes (a power of two, at most 32; uniform): the butterfly's

@@ -5,11 +5,7 @@
 // The canonical butterfly (numerics::tree32): for o = 16, 8, 4, 2, 1 lane l becomes
 // v[l] + v[l ^ o]. Every lane gets the sum.
 fn lane_sum(v: f32, lid: u32) -> f32 {
-    var s = v;
-    for (var off = 16u; off > 0u; off = off / 2u) {
-        s = fadd(s, subgroupShuffleXor(s, off));
-    }
-    return s;
+    return lane_sum_w(v, lid, 32u);
 }
 
 // lane_sum over groups of `width` lanes (a power of two, at most 32; uniform): the butterfly's

@@ -391,12 +391,9 @@ fn chunk_f32(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
     return acc;
 }
 
-@compute @workgroup_size(256)
-fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                     @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
+// One row per workgroup, chunk c on lane group c % 8, the chunk sums added in chunk order by
+// invocation 0. F16 or F32 weights (`is_f16` is the same for every invocation of a dispatch).
+fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool) {
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
@@ -410,7 +407,11 @@ fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         let c = cb + lid / 32u;
         var acc = zero();
         if (c < n_chunks) {
-            acc = chunk_f16(wr, xg, c * 512u, in_dim, lane);
+            if (is_f16) {
+                acc = chunk_f16(wr, xg, c * 512u, in_dim, lane);
+            } else {
+                acc = chunk_f32(wr, xg, c * 512u, in_dim, lane);
+            }
         }
         let s = lane_sum(acc, lid);
         if (c < n_chunks && lane == 0u) {
@@ -428,37 +429,19 @@ fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
 }
 
 @compute @workgroup_size(256)
+fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    mat_vec_split(wid, nwg, lid, true);
+}
+
+@compute @workgroup_size(256)
 fn mat_vec_f32_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
         return;
     }
-    let in_dim = arg(0u);
-    let rows = arg(1u);
-    let row0 = arg(3u);
-    let lane = lid % 32u;
-    let r = group_index(wid, nwg);
-    let rr = min(r, rows - 1u);
-    let xg = ((row0 + rr) / arg(2u)) * in_dim;
-    let wr = rr * in_dim;
-    let n_chunks = (in_dim + 511u) / 512u;
-    for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
-        let c = cb + lid / 32u;
-        var acc = zero();
-        if (c < n_chunks) {
-            acc = chunk_f32(wr, xg, c * 512u, in_dim, lane);
-        }
-        let s = lane_sum(acc, lid);
-        if (c < n_chunks && lane == 0u) {
-            part[c] = s;
-        }
-    }
-    workgroupBarrier();
-    if (r < rows && lid == 0u) {
-        var total = zero();
-        for (var c = 0u; c < n_chunks; c = c + 1u) {
-            total = fadd(total, part[c]);
-        }
-        OUT[row0 + r] = total;
-    }
+    mat_vec_split(wid, nwg, lid, false);
 }
