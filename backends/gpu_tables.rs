@@ -33,6 +33,15 @@ pub const BLOCK_SPLITS: [(GgmlType, u32, u32, u32); 4] = [
     (GgmlType::Q4_K, 144, 16, 128),
 ];
 
+/// Where the GPU kernels find the bytes of a block-quantized weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockLayout {
+    /// Repacked at upload, or drawn so on the device ([`BLOCK_SPLITS`]): aligned wide loads.
+    Split,
+    /// GGUF's own blocks, read in place from the file's pages (unified placement: no copy).
+    Native,
+}
+
 /// The split layout of a type, if the kernels repack it: (block bytes, quants_at, quants).
 pub fn block_split(ty: GgmlType) -> Option<(usize, usize, usize)> {
     BLOCK_SPLITS.iter().find(|s| s.0 == ty).map(|s| (s.1 as usize, s.2 as usize, s.3 as usize))

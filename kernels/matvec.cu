@@ -13,8 +13,6 @@ extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
     quantize_q8_0_warp(a.x[b * 32 + lane], a.xq, a.xd, b, lane);
 }
 
-// Q8_0 weights are in the split layout (backends/cuda/args.rs: BLOCK_SPLITS): all quants (32
-// bytes per block), then all f16 scales. A lane reads one block as two 16-byte loads.
 // Block b's term: (f16(d_w) * d_x) * isum, the integer dot exact.
 __device__ __forceinline__ float q8_0_term(int4 w0, int4 w1, u16 ws, const int4* x4, const float* dx, u32 b) {
     const int4 x0 = x4[2 * b], x1 = x4[2 * b + 1];
@@ -28,6 +26,27 @@ __device__ __forceinline__ float q8_0_term(int4 w0, int4 w1, u16 ws, const int4*
     isum = __dp4a(w1.z, x1.z, isum);
     isum = __dp4a(w1.w, x1.w, isum);
     return h2f(ws) * dx[b] * (float)isum;
+}
+
+// Loads block b of row r of a Q8_0 matrix of `rows` rows and nb blocks per row. Split layout
+// (gpu_tables.rs: BLOCK_SPLITS): all quants (32 bytes per block), then all f16 scales; a lane
+// reads a block as two 16-byte loads. Native layout (DS4_NATIVE_BLOCKS: GGUF's 34-byte blocks,
+// read in place from the file): a scale then 32 quants, only 2-byte aligned, so 17 loads of 2.
+__device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, u32 b, int4* w0, int4* w1, u16* s) {
+#if DS4_NATIVE_BLOCKS
+    const u16* blk = (const u16*)(w + ((u64)r * nb + b) * 34);
+    u32 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = (u32)__ldg(blk + 1 + 2 * i) | ((u32)__ldg(blk + 2 + 2 * i) << 16);
+    *w0 = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+    *w1 = make_int4((int)v[4], (int)v[5], (int)v[6], (int)v[7]);
+    *s = __ldg(blk);
+#else
+    const int4* wq = (const int4*)(w + (u64)r * nb * 32);
+    *w0 = __ldg(wq + 2 * b);
+    *w1 = __ldg(wq + 2 * b + 1);
+    *s = __ldg((const u16*)(w + (u64)rows * nb * 32) + (u64)r * nb + b);
+#endif
 }
 
 // Chunks whose weights a lane loads before waiting for the previous kernel.
@@ -45,18 +64,12 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
     float* out = second ? a.out2 : a.out;
     const bool live = r < rows;
     const u32 nb = a.in_dim / 32;
-    const int4* wq = (const int4*)(w + (u64)r * nb * 32);
-    const u16* ws = (const u16*)(w + (u64)rows * nb * 32) + (u64)r * nb;
     int4 w0[Q8_EARLY_CHUNKS], w1[Q8_EARLY_CHUNKS];
     u16 s[Q8_EARLY_CHUNKS];
 #pragma unroll
     for (u32 u = 0; u < Q8_EARLY_CHUNKS; u++) {
         const u32 b = u * DS4_BLOCK_CHUNK + lane;
-        if (live && b < nb) {
-            w0[u] = __ldg(wq + 2 * b);
-            w1[u] = __ldg(wq + 2 * b + 1);
-            s[u] = __ldg(ws + b);
-        }
+        if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
     ds4_wait_predecessor();
     if (!live) return;
@@ -76,7 +89,12 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
     for (u32 c = Q8_EARLY_CHUNKS * DS4_BLOCK_CHUNK; c < nb; c += DS4_BLOCK_CHUNK) {
         float acc = 0.0f;
         const u32 b = c + lane;
-        if (b < nb) acc += q8_0_term(__ldg(wq + 2 * b), __ldg(wq + 2 * b + 1), __ldg(ws + b), x4, dx, b);
+        if (b < nb) {
+            int4 q0, q1;
+            u16 sc;
+            q8_0_load(w, rows, nb, r, b, &q0, &q1, &sc);
+            acc += q8_0_term(q0, q1, sc, x4, dx, b);
+        }
         total += warp_sum(acc);
     }
     if (lane == 0) out[r] = total;

@@ -122,8 +122,9 @@ extern "C" __global__ void quantize_q8_k(DS4_ARGS, const QuantizeQ8KArgs a) {
 }
 
 // Expert weights are in the split layout (ds4_block_split): the quants of every block (64 bytes
-// for IQ2_XXS and Q2_K, 128 for Q4_K), then the rest of each block (d, scales). A lane reads 16
-// quant bytes of one block (one load): L = quants / 16 lanes share a block and a warp covers
+// for IQ2_XXS and Q2_K, 128 for Q4_K), then the rest of each block (d, scales); or, with
+// DS4_NATIVE_BLOCKS, in GGUF's own blocks read in place (placement unified). A lane reads 16
+// quant bytes of one block (one load where they are 16-byte aligned): L = quants / 16 lanes share a block and a warp covers
 // 32 / L blocks per pass. Rows that multiply the same activations (gate and up, or neighbouring
 // output rows) are done by one warp, so each lane reads its share of the activations once for
 // all of them. Lanes add integer sums (exact in any order); the block terms then add in the
@@ -138,12 +139,19 @@ struct ExpertRow {
     const u8* qs;
     const u8* rest;
 };
+// Native layout: the table's quants entry is the expert's first block plus `at`, its rest entry
+// the first block itself, and both step a whole block per block.
 __device__ __forceinline__ ExpertRow expert_row(const u64* table, u32 ty, u64 e, u64 first_block) {
     u32 bb = 0, at = 0, nq = 0;
     ds4_block_split(ty, &bb, &at, &nq);
     ExpertRow r;
+#if DS4_NATIVE_BLOCKS
+    r.qs = (const u8*)table[2 * e] + first_block * bb;
+    r.rest = (const u8*)table[2 * e + 1] + first_block * bb;
+#else
     r.qs = (const u8*)table[2 * e] + first_block * nq;
     r.rest = (const u8*)table[2 * e + 1] + first_block * (bb - nq);
+#endif
     return r;
 }
 __device__ __forceinline__ ExpertRow no_row() {
@@ -158,7 +166,29 @@ template <u32 TY> struct Layout {
     static constexpr u32 RB = TY == 16 ? 2 : (TY == 10 ? 20 : 16);   // rest bytes per block
     static constexpr u32 L = NQ / 16;                                // lanes per block
     static constexpr u32 BPP = 32 / L;                               // blocks per warp pass
+#if DS4_NATIVE_BLOCKS
+    static constexpr u32 BB = NQ + RB;                               // GGUF's block bytes
+    static constexpr u32 QS = BB, RS = BB;                           // quants / rest stride
+    static constexpr u32 Q2K_D = 80;                                 // Q2_K: d, dmin from the rest
+    static constexpr u32 QALIGN = TY == 16 ? 2 : (TY == 10 ? 4 : 16);  // quants' alignment
+#else
+    static constexpr u32 QS = NQ, RS = RB;
+    static constexpr u32 Q2K_D = 16;
+    static constexpr u32 QALIGN = 16;
+#endif
 };
+
+// 16 quant bytes at p, aligned to A bytes (2, 4 or 16).
+template <u32 A> __device__ __forceinline__ int4 load_quants16(const u8* p) {
+    if (A == 16) return __ldg((const int4*)p);
+    u32 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (A == 4) v[i] = __ldg((const u32*)p + i);
+        else v[i] = (u32)__ldg((const u16*)p + 2 * i) | ((u32)__ldg((const u16*)p + 2 * i + 1) << 16);
+    }
+    return make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+}
 
 // IQ2_XXS sub-block (32 values) from its two words (4 grid indices; 4x7 sign bits and a 4-bit
 // scale) and its 32 activation bytes qa, qb. The 7 sign bits of a group and their parity bit
@@ -211,8 +241,8 @@ struct ActPart {
 template <u32 TY>
 __device__ __forceinline__ WeightPart load_weight_part(const ExpertRow& row, u32 b, u32 p) {
     WeightPart w;
-    w.q = __ldg((const int4*)(row.qs + (u64)b * Layout<TY>::NQ) + p);
-    const u8* rest = row.rest + (u64)b * Layout<TY>::RB;
+    w.q = load_quants16<Layout<TY>::QALIGN>(row.qs + (u64)b * Layout<TY>::QS + 16 * p);
+    const u8* rest = row.rest + (u64)b * Layout<TY>::RS;
     if (TY == 10) {  // the 8 scale bytes of 128-value chunk p/2 (4-byte aligned)
         w.ex.x = __ldg((const u32*)(rest + 8 * (p >> 1)));
         w.ex.y = __ldg((const u32*)(rest + 8 * (p >> 1)) + 1);
@@ -348,12 +378,13 @@ __device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int*
         float acc = 0.0f;
         const u32 b = c + lane;
         if (b < nb) {
-            const u8* r = rest + (u64)b * Layout<TY>::RB;
+            const u8* r = rest + (u64)b * Layout<TY>::RS;
             const float yd = y[b].d;
             if (TY == 16) {
                 acc += (h2f(*(const u16*)r) * yd) * (float)is[b];
             } else if (TY == 10) {
-                const float dall = yd * h2f(*(const u16*)(r + 16)), dmin = yd * h2f(*(const u16*)(r + 18));
+                const u32 D = Layout<TY>::Q2K_D;
+                const float dall = yd * h2f(*(const u16*)(r + D)), dmin = yd * h2f(*(const u16*)(r + D + 2));
                 acc += dall * (float)is[b] - dmin * (float)sm[b];
             } else {
                 const float d = yd * h2f(*(const u16*)r), dmin = yd * h2f(*(const u16*)(r + 2));

@@ -386,6 +386,15 @@ impl File {
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
+    /// The whole file when its bytes are a read-only memory mapping (not a buffer): a GPU
+    /// backend may register these pages and read the tensors in place.
+    pub fn mapping(&self) -> Option<&[u8]> {
+        match &*self.storage {
+            Storage::Mmap(m) => Some(m),
+            Storage::Owned(_) => None,
+        }
+    }
+
     /// The data bytes of a tensor (bounds were checked at parse time); empty for a header-only
     /// file ([`File::has_data`]).
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {

@@ -474,9 +474,29 @@ fn make_backend(m: &ModelArgs, which: BackendArg, numerics: Option<NumericsArg>)
 
 /// The weight upload's progress bar, made on its first call (a plain function, so the backend
 /// options stay plain data).
+/// This process's host memory (Linux): resident anonymous memory (what it allocated: copies of
+/// weights included) apart from resident pages of mapped files (the model file read in place).
+fn host_memory() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()
+    };
+    let gib = |k: u64| k as f64 / (1u64 << 20) as f64;
+    Some(format!(
+        "host mem   {:.2} GiB resident: {:.2} GiB allocated, {:.2} GiB of mapped files (peak {:.2} GiB)",
+        gib(kb("VmRSS:")?),
+        gib(kb("RssAnon:")?),
+        gib(kb("RssFile:")?),
+        gib(kb("VmHWM:")?)
+    ))
+}
+
 fn upload_progress(done: u64, total: u64) {
-    static BAR: std::sync::OnceLock<ProgressBar> = std::sync::OnceLock::new();
-    let pb = BAR.get_or_init(|| {
+    // One bar per load: a finished bar is dropped, so a second load in the process gets its own.
+    static BAR: std::sync::Mutex<Option<ProgressBar>> = std::sync::Mutex::new(None);
+    let mut bar = BAR.lock().unwrap_or_else(|e| e.into_inner());
+    let pb = bar.get_or_insert_with(|| {
         let pb = ProgressBar::new(total);
         pb.set_style(
             ProgressStyle::with_template(
@@ -489,6 +509,7 @@ fn upload_progress(done: u64, total: u64) {
     pb.set_position(done);
     if done >= total {
         pb.finish_and_clear();
+        *bar = None;
     }
 }
 
@@ -1007,6 +1028,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if let Some(n) = session.executable().nodes_per_token() {
         out!("nodes      {n} kernel launches (graph nodes) per token");
     }
+    if let Some(m) = host_memory() {
+        out!("{m}");
+    }
     if let (Some(b), Some(e)) = (cache_before, cache_after) {
         let (hits, copies, direct) = (e.hits - b.hits, e.copies - b.copies, e.direct - b.direct);
         let used = (hits + copies + direct).max(1) as f64;
@@ -1115,8 +1139,14 @@ fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBu
 }
 
 fn cmd_kernels(arch: &str) -> Result<()> {
-    let t0 = Instant::now();
-    let bytes = ds4::backends::cuda::compile_kernels(arch)?;
-    out!("compiled the CUDA kernels for {arch}: {bytes} bytes of PTX in {:.2} s", t0.elapsed().as_secs_f64());
+    use ds4::backends::cuda::BlockLayout;
+    for (layout, what) in [(BlockLayout::Split, "split blocks"), (BlockLayout::Native, "GGUF's blocks, unified")] {
+        let t0 = Instant::now();
+        let bytes = ds4::backends::cuda::compile_kernels(arch, layout)?;
+        out!(
+            "compiled the CUDA kernels for {arch} ({what}): {bytes} bytes of PTX in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
     Ok(())
 }

@@ -56,8 +56,9 @@ pub enum Placement {
     /// Routed experts in page-locked host memory; `cache` bytes of device memory hold the
     /// experts used most recently.
     HostExperts { cache: u64 },
-    /// Every weight in page-locked host memory, read by the GPU in place: on a unified-memory
-    /// GPU (the GB10) the weights occupy memory once; on a discrete GPU every byte crosses the bus.
+    /// Every weight read by the GPU in place from page-locked host memory: a model file's own
+    /// pages, registered, in GGUF's block layout (no copy). On a unified-memory GPU (the GB10)
+    /// the weights occupy memory once; on a discrete GPU every byte crosses the bus.
     Unified,
 }
 

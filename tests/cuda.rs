@@ -71,27 +71,41 @@ fn a_budget_too_small_or_too_large_is_refused_by_name() {
 /// Every placement of the weights gives the canonical CPU's logits: routed experts in host
 /// memory read in place (no cache slot), through a cache of one slot (fewer than a token uses:
 /// copies, evictions and reads in place) and of more slots than a token uses (hits), and every
-/// weight in host memory (unified). The counters add up to every used expert of every layer.
+/// weight in host memory (unified: the mapped file's pages read in place in GGUF's blocks, and
+/// the same model held in a buffer, copied once unrepacked). The counters add up to every used
+/// expert of every layer.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
 fn every_placement_equals_canonical_cpu() {
     use ds4::placement::{PlacementMode, PlacementRequest};
-    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let mapped = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let bytes = std::fs::read(golden("tiny-a/model.gguf")).unwrap();
+    let in_buffer = Model::from_file(ds4::gguf::File::from_bytes("tiny-a", bytes).unwrap()).unwrap();
     let tokens = golden_tokens();
-    let n_used = model.config.n_expert_used;
+    let n_used = mapped.config.n_expert_used;
     let extra = 24;
-    for (mode, slots) in [
-        (PlacementMode::Host, Some(0)),
-        (PlacementMode::Host, Some(1)),
-        (PlacementMode::Host, Some(n_used + 2)),
-        (PlacementMode::Unified, None),
+    for (mode, slots, model) in [
+        (PlacementMode::Host, Some(0), &mapped),
+        (PlacementMode::Host, Some(1), &mapped),
+        (PlacementMode::Host, Some(n_used + 2), &mapped),
+        (PlacementMode::Unified, None, &mapped),
+        (PlacementMode::Unified, None, &in_buffer),
     ] {
         for graphs in [false, true] {
             let placement = PlacementRequest { budget: None, mode: Some(mode), cache_slots: slots };
             let opts = BackendOptions { graphs, numerics: Numerics::Canonical, placement, ..Default::default() };
             let gpu = backend::create(BackendKind::Cuda, opts).expect("this test needs an NVIDIA GPU");
-            let stats = compare_on(&model, gpu.as_ref(), graphs, &tokens, extra, 256);
+            let stats = compare_on(model, gpu.as_ref(), graphs, &tokens, extra, 256);
             let what = format!("{mode:?} with {slots:?} slots, graphs {graphs}");
+            if mode == PlacementMode::Unified {
+                let report = Session::new(model.clone(), gpu.as_ref(), 256)
+                    .unwrap()
+                    .executable()
+                    .load_report()
+                    .unwrap_or_default();
+                let mapped_file = model.file.mapping().is_some();
+                assert_eq!(report.contains("no copy"), mapped_file, "{what}: {report}");
+            }
             match slots {
                 Some(n) if n > 0 => {
                     let s = stats.unwrap_or_else(|| panic!("{what}: no cache counters"));
@@ -169,7 +183,10 @@ fn a_failed_capture_or_graph_launch_loses_no_token() {
 #[test]
 fn the_sampling_kernel_holds_the_candidate_cap() {
     let cap = format!("#define DS4_SAMPLE_CAP {}\n", ds4::sample::CANDIDATE_CAP);
-    assert!(ds4::backends::cuda::kernel_source().contains(&cap), "kernels/sample.cu: {cap}");
+    assert!(
+        ds4::backends::cuda::kernel_source(ds4::backends::cuda::BlockLayout::Split).contains(&cap),
+        "kernels/sample.cu: {cap}"
+    );
 }
 
 /// Logit vectors of `n` tokens that stress the sampler: random, peaked, heavy ties, all equal,

@@ -49,10 +49,73 @@ impl Drop for HostMem {
     }
 }
 
+/// Host memory owned by someone else (the model file's read-only mapping), registered with the
+/// driver so kernels read it in place: its pages locked and mapped into the device's address
+/// space. The owner must keep the bytes alive and unmoved until this is dropped.
+pub struct HostRegistration {
+    ptr: *mut u8,
+    dev: u64,
+}
+
+// SAFETY: holds only addresses; unregistering from another thread is allowed by the driver.
+unsafe impl Send for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers `bytes`; `read_only` for pages mapped without write access (the driver must
+    /// support it: CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED).
+    pub fn register(bytes: &[u8], read_only: bool) -> Result<HostRegistration, result::DriverError> {
+        let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        if read_only {
+            flags |= sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        }
+        let ptr = bytes.as_ptr() as *mut u8;
+        // Whole 4 KiB pages: a mapping covers the last page of the file entirely.
+        let len = bytes.len().div_ceil(4096) * 4096;
+        // SAFETY: `ptr` addresses `len` bytes of one live mapping (the caller keeps it alive until
+        // Drop); the driver only locks and maps those pages, it writes nothing with READ_ONLY.
+        unsafe { sys::cuMemHostRegister_v2(ptr as *mut _, len, flags) }.result()?;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` was just registered with DEVICEMAP, so it has a device address.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr as *mut _, 0) }.result();
+        let reg = HostRegistration { ptr, dev };
+        mapped?;
+        Ok(reg)
+    }
+
+    /// The device address of host byte `bytes[offset]`.
+    pub fn device_ptr(&self, offset: usize) -> u64 {
+        self.dev + offset as u64
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // SAFETY: registered by `register` and not unregistered before.
+        let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut _) };
+    }
+}
+
+/// Reads one byte of every 4 KiB page of `bytes` on every core, so that a mapped file is in
+/// memory before its pages are locked; `progress(done, total)` after each 64 MiB.
+pub fn fault_in(bytes: &[u8], progress: impl Fn(u64) + Sync) {
+    use rayon::prelude::*;
+    const RUN: usize = 64 << 20;
+    bytes.par_chunks(RUN).for_each(|run| {
+        let mut x = 0u8;
+        for i in (0..run.len()).step_by(4096) {
+            x ^= run[i];
+        }
+        std::hint::black_box(x);
+        progress(run.len() as u64);
+    });
+}
+
 /// Where one weight lives.
 pub enum WeightMem {
     Device(CudaSlice<u8>),
     Host(HostMem),
+    /// Inside a registered mapping (the model file read in place): its device address.
+    InPlace(u64),
 }
 
 impl WeightMem {
@@ -60,6 +123,7 @@ impl WeightMem {
         match self {
             WeightMem::Device(d) => d.device_ptr(stream).0,
             WeightMem::Host(h) => h.device_ptr(),
+            WeightMem::InPlace(p) => *p,
         }
     }
 }
@@ -136,7 +200,7 @@ impl Uploader {
 }
 
 /// `dst.copy_from_slice(src)` on every core (a single core copies a few GB/s at most).
-fn parallel_copy(dst: &mut [u8], src: &[u8]) {
+pub fn parallel_copy(dst: &mut [u8], src: &[u8]) {
     use rayon::prelude::*;
     dst.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
 }

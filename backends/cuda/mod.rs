@@ -12,6 +12,7 @@ mod memory;
 mod plan;
 
 use crate::backend::{Backend, BackendError, BackendOptions};
+pub use crate::backends::gpu_tables::BlockLayout;
 
 #[cfg(not(feature = "cuda"))]
 pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
@@ -35,16 +36,16 @@ pub use imp::{kernel_source, CudaBackend, CudaExecutable};
 /// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX size in bytes.
 /// Needs libnvrtc but no GPU.
 #[cfg(feature = "cuda")]
-pub fn compile_kernels(arch: &str) -> Result<usize, BackendError> {
+pub fn compile_kernels(arch: &str, layout: BlockLayout) -> Result<usize, BackendError> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(BackendError::new("cuda", "no NVRTC library (libnvrtc, CUDA 13) on this machine"));
     }
-    imp::compile_kernels(arch).map(|ptx| ptx.to_src().len())
+    imp::compile_kernels(arch, layout).map(|ptx| ptx.to_src().len())
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn compile_kernels(_arch: &str) -> Result<usize, BackendError> {
+pub fn compile_kernels(_arch: &str, _layout: BlockLayout) -> Result<usize, BackendError> {
     Err(BackendError::new("cuda", "ds4 was built without the `cuda` feature"))
 }
 
@@ -58,8 +59,9 @@ mod imp {
     use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
     use super::args::{self, FillArgs, Ptr, PtrRef};
-    use super::memory::{self, HostMem, WeightMem};
+    use super::memory::{self, HostMem, HostRegistration, WeightMem};
     use super::plan::{self, SCRATCH_KINDS};
+    use super::BlockLayout;
     use crate::backend::{Backend, BackendError, Executable, GraphFailure};
     use crate::backend::{BackendOptions, ExpertCacheStats};
     use crate::model::Model;
@@ -130,14 +132,16 @@ mod imp {
         move |e| err(format!("{what}: {e}"))
     }
 
-    /// The full kernel source, as NVRTC compiles it: the header generated from the Rust
-    /// definitions (StepParams, argument structs, numerics constants), then the files.
-    pub fn kernel_source() -> String {
-        args::c_header() + "\n" + &SOURCES.join("\n")
+    /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, the
+    /// header generated from the Rust definitions (StepParams, argument structs, numerics
+    /// constants), then the files.
+    pub fn kernel_source(layout: BlockLayout) -> String {
+        let native = (layout == BlockLayout::Native) as u32;
+        format!("#define DS4_NATIVE_BLOCKS {native}\n") + &args::c_header() + "\n" + &SOURCES.join("\n")
     }
 
     /// Compiles the kernels for an `sm_XY` architecture.
-    pub fn compile_kernels(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    pub fn compile_kernels(arch: &str, layout: BlockLayout) -> Result<cudarc::nvrtc::Ptx, BackendError> {
         let opts = CompileOptions {
             // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and
             // square root correctly rounded, subnormals kept, as the CPU computes them.
@@ -149,7 +153,7 @@ mod imp {
             name: Some("ds4_kernels.cu".into()),
             ..Default::default()
         };
-        compile_ptx_with_opts(kernel_source(), opts)
+        compile_ptx_with_opts(kernel_source(layout), opts)
             .map_err(|e| err(format!("NVRTC failed to compile the kernels: {e}")))
     }
 
@@ -176,19 +180,19 @@ mod imp {
         }
 
         /// The cache file for `arch`: its name carries the hash of the source and the options.
-        pub fn path(arch: &str) -> Option<PathBuf> {
-            let key = format!("{}|{arch}|{:?}", super::kernel_source(), super::COMPILE_FLAGS);
+        pub fn path(arch: &str, layout: super::BlockLayout) -> Option<PathBuf> {
+            let key = format!("{}|{arch}|{:?}", super::kernel_source(layout), super::COMPILE_FLAGS);
             Some(dir()?.join(format!("kernels-{arch}-{:016x}.ptx", fnv1a(key.as_bytes()))))
         }
 
-        pub fn load(arch: &str) -> Option<cudarc::nvrtc::Ptx> {
-            let text = std::fs::read_to_string(path(arch)?).ok()?;
+        pub fn load(arch: &str, layout: super::BlockLayout) -> Option<cudarc::nvrtc::Ptx> {
+            let text = std::fs::read_to_string(path(arch, layout)?).ok()?;
             // A PTX module that the driver can load ends with its last entry's closing brace.
             text.trim_end().ends_with('}').then(|| cudarc::nvrtc::Ptx::from_src(text))
         }
 
-        pub fn store(arch: &str, ptx: &str) {
-            if let Some(p) = path(arch) {
+        pub fn store(arch: &str, layout: super::BlockLayout, ptx: &str) {
+            if let Some(p) = path(arch, layout) {
                 let tmp = p.with_extension("tmp");
                 let ok = p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
                     && std::fs::write(&tmp, ptx).is_ok()
@@ -211,6 +215,7 @@ mod imp {
         t: &crate::gguf::TensorInfo,
         state: u64,
         fill: crate::synth::Fill,
+        layout: BlockLayout,
     ) -> Result<CudaSlice<u8>, BackendError> {
         use crate::quant::GgmlType;
         use crate::synth::Fill;
@@ -243,7 +248,7 @@ mod imp {
             dmin,
             n_expert,
             n_used,
-            repack: crate::backends::gpu_tables::block_split(t.ty).is_some() as u32,
+            repack: (layout == BlockLayout::Split && crate::backends::gpu_tables::block_split(t.ty).is_some()) as u32,
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
@@ -375,6 +380,10 @@ mod imp {
         program: Arc<Program>,
         stream: Arc<CudaStream>,
         _weights: Vec<WeightMem>,
+        /// The model file's pages, registered and read in place (unified placement); dropped
+        /// before the model that owns the mapping.
+        _registration: Option<HostRegistration>,
+        _model: Arc<Model>,
         /// Expert tables, cache states and slots, the grid and RoPE tables: kept alive.
         _device_mem: Vec<CudaSlice<u8>>,
         _tables: Vec<CudaSlice<u64>>,
@@ -426,18 +435,6 @@ mod imp {
 
             let plan = plan::plan(&program, true, false).map_err(err)?;
             let single_plan = plan::plan(&program, false, false).map_err(err)?;
-            let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
-            let arch = format!("sm_{major}{minor}");
-            let module = match cache::load(&arch).map(|ptx| ctx.load_module(ptx)) {
-                Some(Ok(m)) => m,
-                // No cache entry, or one the driver rejects (corrupt): compile and rewrite it.
-                _ => {
-                    let ptx = compile_kernels(&arch)?;
-                    cache::store(&arch, &ptx.to_src());
-                    ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))?
-                }
-            };
-
             // Arena layout: program buffers, then backend scratch.
             let mut offsets = Vec::with_capacity(program.buffers().len());
             let mut size = 0usize;
@@ -495,19 +492,83 @@ mod imp {
             } else {
                 (plan, single_plan)
             };
+            // Unified placement reads every weight where it is on the host, so the kernels read
+            // GGUF's own blocks; the other placements repack them for aligned wide loads.
+            let layout = match placed.placement {
+                Placement::Unified => BlockLayout::Native,
+                _ => BlockLayout::Split,
+            };
+            let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
+            let arch = format!("sm_{major}{minor}");
+            let module = match cache::load(&arch, layout).map(|ptx| ctx.load_module(ptx)) {
+                Some(Ok(m)) => m,
+                // No cache entry, or one the driver rejects (corrupt): compile and rewrite it.
+                _ => {
+                    let ptx = compile_kernels(&arch, layout)?;
+                    cache::store(&arch, layout, &ptx.to_src());
+                    ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))?
+                }
+            };
+
+            // A mapped file under unified placement: its pages are registered and read in place,
+            // no byte copied. Otherwise (a model held in a buffer, or a driver that cannot lock
+            // read-only pages) the weights are copied once into page-locked memory, unrepacked.
+            let weight_bytes: u64 = program.weights().iter().map(|t| t.bytes).sum();
+            let mut registration: Option<(HostRegistration, usize)> = None;
+            let mut in_place_note = String::new();
+            if layout == BlockLayout::Native && model.synthetic.is_none() {
+                match model.file.mapping() {
+                    Some(map) => {
+                        let read_only = ctx
+                            .attribute(
+                                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
+                            )
+                            .map_err(drv("cannot read the device's attributes"))?
+                            == 1;
+                        let t0 = std::time::Instant::now();
+                        let done = std::sync::atomic::AtomicU64::new(0);
+                        memory::fault_in(map, |n| {
+                            let d = done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+                            if let Some(p) = opts.load_progress {
+                                p(d.min(weight_bytes.saturating_sub(1)), weight_bytes);
+                            }
+                        });
+                        match HostRegistration::register(map, read_only) {
+                            Ok(r) => {
+                                in_place_note = format!(
+                                    "  in place  the file's {} registered in {:.2} s; kernels read GGUF's blocks, no copy\n",
+                                    placement::gb(map.len() as u64),
+                                    t0.elapsed().as_secs_f64()
+                                );
+                                registration = Some((r, map.as_ptr() as usize));
+                            }
+                            Err(e) => {
+                                in_place_note = format!(
+                                    "  copied    the file's pages could not be registered ({e}): weights copied once\n"
+                                )
+                            }
+                        }
+                    }
+                    None => in_place_note = "  copied    the model is not a mapped file: weights copied once\n".into(),
+                }
+            }
+
             let on_host = |name: &str| match placed.placement {
                 Placement::Device => false,
                 Placement::HostExperts { .. } => Footprint::is_expert(name),
                 Placement::Unified => true,
             };
 
-            let weight_bytes: u64 = program.weights().iter().map(|t| t.bytes).sum();
             let mut uploader = memory::Uploader::new(&stream, weight_bytes, opts.load_progress)
                 .map_err(drv("cannot allocate the upload's staging buffers"))?;
             let mut weights: Vec<WeightMem> = Vec::with_capacity(program.weights().len());
             let mut weight_ptrs = Vec::with_capacity(program.weights().len());
             let synth_fill = module.load_function("synth_fill").map_err(drv("kernel 'synth_fill' is missing"))?;
             let synthetic = model.synthetic.as_ref();
+            let host_alloc = |t: &crate::gguf::TensorInfo| {
+                HostMem::alloc(t.bytes as usize)
+                    .map_err(drv(&format!("cannot allocate page-locked memory for '{}'", t.name)))
+            };
             for t in program.weights() {
                 let host = on_host(&t.name);
                 let recipe = synthetic.and_then(|s| s.fills.get(&t.name).map(|f| (s, *f)));
@@ -515,10 +576,9 @@ mod imp {
                     // A synthetic preset's weights are drawn in device memory, not copied; those
                     // placed in host memory move there once drawn.
                     Some((syn, fill)) => {
-                        let d = generate(&stream, &synth_fill, t, syn.rng_state(&t.name), fill)?;
+                        let d = generate(&stream, &synth_fill, t, syn.rng_state(&t.name), fill, layout)?;
                         if host {
-                            let mut h = HostMem::alloc(t.bytes as usize)
-                                .map_err(drv(&format!("cannot allocate page-locked memory for '{}'", t.name)))?;
+                            let mut h = host_alloc(t)?;
                             stream
                                 .memcpy_dtoh(&d, h.as_mut_slice())
                                 .map_err(drv(&format!("cannot move '{}' to host memory", t.name)))?;
@@ -530,10 +590,18 @@ mod imp {
                     None if !model.file.has_data() => {
                         return Err(err(format!("tensor '{}' has neither host data nor a recipe", t.name)))
                     }
+                    None if registration.is_some() => {
+                        let (reg, base) = registration.as_ref().expect("checked");
+                        WeightMem::InPlace(reg.device_ptr(model.data(t).as_ptr() as usize - base))
+                    }
                     None if host => {
-                        let mut h = HostMem::alloc(t.bytes as usize)
-                            .map_err(drv(&format!("cannot allocate page-locked memory for '{}'", t.name)))?;
-                        crate::backends::gpu_tables::repack_blocks_into(t.ty, model.data(t), h.as_mut_slice());
+                        let mut h = host_alloc(t)?;
+                        match layout {
+                            BlockLayout::Split => {
+                                crate::backends::gpu_tables::repack_blocks_into(t.ty, model.data(t), h.as_mut_slice())
+                            }
+                            BlockLayout::Native => memory::parallel_copy(h.as_mut_slice(), model.data(t)),
+                        }
                         WeightMem::Host(h)
                     }
                     None => {
@@ -547,7 +615,8 @@ mod imp {
                         WeightMem::Device(d)
                     }
                 };
-                if recipe.is_some() || host {
+                // (Pages read in place were counted while they were faulted in.)
+                if (recipe.is_some() || host) && registration.is_none() {
                     uploader.advance(t.bytes);
                 }
                 weight_ptrs.push(m.ptr(&stream));
@@ -569,9 +638,22 @@ mod imp {
                     }
                     let base = weight_ptrs[w.0 as usize];
                     let n_expert = l.n_expert as u64;
-                    let home: Vec<u64> = (0..n_expert)
-                        .flat_map(|e| [base + e * pieces.0, base + n_expert * pieces.0 + e * pieces.1])
-                        .collect();
+                    let home: Vec<u64> = match layout {
+                        BlockLayout::Split => (0..n_expert)
+                            .flat_map(|e| [base + e * pieces.0, base + n_expert * pieces.0 + e * pieces.1])
+                            .collect(),
+                        // GGUF's blocks: an expert is one run; its quants start `at` into each block.
+                        BlockLayout::Native => {
+                            let ty = program.weight(w).ty;
+                            let at = crate::backends::gpu_tables::block_split(ty).map_or(0, |s| s.1) as u64;
+                            (0..n_expert)
+                                .flat_map(|e| {
+                                    let first = base + e * (pieces.0 + pieces.1);
+                                    [first + at, first]
+                                })
+                                .collect()
+                        }
+                    };
                     let h = stream.clone_htod(&home).map_err(drv("cannot upload an expert table"))?;
                     let t = stream.clone_htod(&home).map_err(drv("cannot upload an expert table"))?;
                     expert_tables.push((w.0, t.device_ptr(&stream).0, h.device_ptr(&stream).0));
@@ -604,17 +686,17 @@ mod imp {
                 *cache = n_slots as u64 * moe.iter().map(|l| l.slot_bytes).sum::<u64>();
             }
             let mut report = placed.table();
-            match placed.placement {
-                Placement::HostExperts { .. } => {
-                    report += &format!(
-                        "  cache   {n_slots} slots of {} per MoE layer (of {} experts; {} routed per token)\n",
-                        placement::gb(expert_bytes),
-                        cfg.n_expert,
-                        cfg.n_expert_used
-                    );
-                }
-                Placement::Unified if integrated => report += "  (this GPU shares host memory: no bytes are copied)\n",
-                _ => {}
+            if let Placement::HostExperts { .. } = placed.placement {
+                report += &format!(
+                    "  cache   {n_slots} slots of {} per MoE layer (of {} experts; {} routed per token)\n",
+                    placement::gb(expert_bytes),
+                    cfg.n_expert,
+                    cfg.n_expert_used
+                );
+            }
+            report += &in_place_note;
+            if integrated && matches!(placed.placement, Placement::Unified) {
+                report += "  (this GPU shares host memory: the weights are held once)\n";
             }
             if copied > 0 {
                 report += &format!(
@@ -728,6 +810,8 @@ mod imp {
                 program,
                 stream,
                 _weights: weights,
+                _registration: registration.map(|r| r.0),
+                _model: model.clone(),
                 _device_mem: device_mem,
                 _tables: table_mem,
                 _cache_states: state_mem,

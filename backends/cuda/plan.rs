@@ -1250,7 +1250,7 @@ mod tests {
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
     fn kernel_signatures() -> Vec<(String, String)> {
-        let src = super::super::kernel_source();
+        let src = super::super::kernel_source(super::super::BlockLayout::Split);
         let mut out = Vec::new();
         for part in src.split("extern \"C\" __global__ void ").skip(1) {
             // A `__launch_bounds__(...)` may come before the name.
