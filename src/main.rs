@@ -73,6 +73,10 @@ enum Cmd {
         /// GPU architecture, e.g. sm_89, sm_90, sm_121.
         #[arg(long, default_value = "sm_90")]
         arch: String,
+        /// Write the source NVRTC compiles (split layout) to FILE instead of compiling it, for
+        /// tools such as `scripts/kernel-registers`.
+        #[arg(long, value_name = "FILE")]
+        source: Option<PathBuf>,
     },
     /// Print the token ids of a text as a JSON array.
     Tokenize {
@@ -380,7 +384,7 @@ fn main() {
         Cmd::Inspect { model, vram_budget, ctx } => cmd_inspect(&model, vram_budget, ctx),
         Cmd::Synth { preset, out, seed } => cmd_synth(&preset, &out, seed),
         Cmd::Tokenize { model, prompt, prompt_file } => cmd_tokenize(&model, prompt, prompt_file),
-        Cmd::Kernels { arch } => cmd_kernels(&arch),
+        Cmd::Kernels { arch, source } => cmd_kernels(&arch, source.as_deref()),
     };
     if let Err(e) = r {
         // A reader that stopped reading (`ds4 inspect | head`) is not a failure.
@@ -1138,8 +1142,18 @@ fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBu
     Ok(())
 }
 
-fn cmd_kernels(arch: &str) -> Result<()> {
+fn cmd_kernels(arch: &str, source: Option<&Path>) -> Result<()> {
     use ds4::backends::cuda::BlockLayout;
+    if let Some(path) = source {
+        #[cfg(feature = "cuda")]
+        {
+            let text = ds4::backends::cuda::kernel_source(BlockLayout::Split);
+            std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+            return Ok(());
+        }
+        #[cfg(not(feature = "cuda"))]
+        bail!("ds4 was built without the `cuda` feature: no kernel source to write to {}", path.display());
+    }
     for (layout, what) in [(BlockLayout::Split, "split blocks"), (BlockLayout::Native, "GGUF's blocks, unified")] {
         let t0 = Instant::now();
         let bytes = ds4::backends::cuda::compile_kernels(arch, layout)?;
