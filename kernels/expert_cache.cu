@@ -7,8 +7,9 @@
 // inside the token's graph: no host round trip. An expert with no slot free (more used than
 // slots) is read from host memory directly. The weights and so the results never change.
 //
-// State of one layer, as i32: n_slots, tick, slot_expert[n_slots], slot_stamp[n_slots],
-// expert_slot[n_expert], then jobs[2 * n_used] (slot or -1, expert) for the copy.
+// State of one layer, as i32 (laid out by backends/cuda/mod.rs): n_slots, tick, n_jobs, jobs_at,
+// slot_expert[n_slots], slot_stamp[n_slots], expert_slot[n_expert]; from i32 index jobs_at
+// (8-byte aligned) the copy jobs of this token, (source, destination, bytes) as u64 each.
 
 #define CACHE_PIECES 6
 
@@ -27,18 +28,17 @@ extern "C" __global__ void expert_cache_plan(DS4_ARGS, const ExpertCachePlanArgs
     const int n_slots = st[0];
     const int tick = st[1] + 1;
     st[1] = tick;
-    int* slot_expert = st + 2;
+    int* slot_expert = st + 4;
     int* stamp = slot_expert + n_slots;
     int* expert_slot = stamp + n_slots;
-    int* jobs = expert_slot + a.n_expert;
+    u64* jobs = (u64*)(st + st[3]);
+    int n_jobs = 0;
     u64* tables[3] = {a.gate_table, a.up_table, a.down_table};
     const u64* homes[3] = {a.gate_home, a.up_home, a.down_home};
     const u32 sizes[CACHE_PIECES] = {a.gate_qs, a.gate_rest, a.up_qs, a.up_rest, a.down_qs, a.down_rest};
     u64 hits = 0, copies = 0, direct = 0;
     for (u32 s = 0; s < a.n_used; s++) {
         const int e = min(max(a.selected[s], 0), (int)a.n_expert - 1);
-        jobs[2 * s] = -1;
-        jobs[2 * s + 1] = e;
         const int k = expert_slot[e];
         if (k >= 0) {
             stamp[k] = tick;
@@ -64,13 +64,17 @@ extern "C" __global__ void expert_cache_plan(DS4_ARGS, const ExpertCachePlanArgs
         expert_slot[e] = best;
         stamp[best] = tick;
         const u64 base = (u64)a.slots + (u64)best * a.slot_bytes;
-        for (int t = 0; t < 3; t++) {
-            tables[t][2 * e] = base + cache_piece_offset(sizes, 2 * t);
-            tables[t][2 * e + 1] = base + cache_piece_offset(sizes, 2 * t + 1);
+        for (u32 p = 0; p < CACHE_PIECES; p++) {
+            const u64 dst = base + cache_piece_offset(sizes, p);
+            tables[p / 2][2 * e + (p & 1)] = dst;
+            jobs[3 * n_jobs] = homes[p / 2][2 * e + (p & 1)];
+            jobs[3 * n_jobs + 1] = dst;
+            jobs[3 * n_jobs + 2] = sizes[p];
+            n_jobs++;
         }
-        jobs[2 * s] = best;
         copies++;
     }
+    st[2] = n_jobs;
     a.stats[0] += hits;
     a.stats[1] += copies;
     a.stats[2] += direct;
@@ -78,26 +82,17 @@ extern "C" __global__ void expert_cache_plan(DS4_ARGS, const ExpertCachePlanArgs
 
 extern "C" __global__ void expert_cache_copy(DS4_ARGS, const ExpertCacheCopyArgs a) {
     DS4_GUARD;
-    const int* st = a.state;
-    const int n_slots = st[0];
-    const int* jobs = st + 2 + 2 * n_slots + a.n_expert;
-    const u64* homes[3] = {a.gate_home, a.up_home, a.down_home};
-    const u32 sizes[CACHE_PIECES] = {a.gate_qs, a.gate_rest, a.up_qs, a.up_rest, a.down_qs, a.down_rest};
+    const int n_jobs = a.state[2];
+    const u64* jobs = (const u64*)(a.state + a.state[3]);
     const u64 stride = (u64)gridDim.x * blockDim.x, first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (u32 s = 0; s < a.n_used; s++) {
-        const int k = jobs[2 * s];
-        if (k < 0) continue;
-        const int e = jobs[2 * s + 1];
-        u8* slot = a.slots + (u64)k * a.slot_bytes;
-        for (u32 p = 0; p < CACHE_PIECES; p++) {
-            const u8* src = (const u8*)homes[p / 2][2 * e + (p & 1)];
-            u8* dst = slot + cache_piece_offset(sizes, p);
-            const u64 n = sizes[p];
-            if ((((u64)src | (u64)dst | n) & 15) == 0) {
-                for (u64 i = first; i < n / 16; i += stride) ((uint4*)dst)[i] = ((const uint4*)src)[i];
-            } else {
-                for (u64 i = first; i < n; i += stride) dst[i] = src[i];
-            }
+    for (int j = 0; j < n_jobs; j++) {
+        const u8* src = (const u8*)jobs[3 * j];
+        u8* dst = (u8*)jobs[3 * j + 1];
+        const u64 n = jobs[3 * j + 2];
+        if ((((u64)src | (u64)dst | n) & 15) == 0) {
+            for (u64 i = first; i < n / 16; i += stride) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        } else {
+            for (u64 i = first; i < n; i += stride) dst[i] = src[i];
         }
     }
 }

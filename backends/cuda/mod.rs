@@ -667,9 +667,11 @@ mod imp {
             let cache_stats = stream.alloc_zeros::<u64>(3).map_err(drv("cannot allocate the cache counters"))?;
             if n_slots > 0 {
                 for l in &moe {
-                    let mut state = vec![-1i32; 2 + 2 * n_slots + l.n_expert + 2 * l.n_used];
-                    state[0] = n_slots as i32;
-                    state[1] = 0;
+                    // kernels/expert_cache.cu: header, slots, experts, then (8-byte aligned) at
+                    // most six copy jobs per used expert of three u64 each.
+                    let jobs_at = (4 + 2 * n_slots + l.n_expert).next_multiple_of(2);
+                    let mut state = vec![-1i32; jobs_at + 6 * l.n_used * 3 * 2];
+                    state[..4].copy_from_slice(&[n_slots as i32, 0, 0, jobs_at as i32]);
                     let st = stream.clone_htod(&state).map_err(drv("cannot allocate the expert cache"))?;
                     let slots = stream
                         .alloc_zeros::<u8>(n_slots * l.slot_bytes as usize)
@@ -848,6 +850,7 @@ mod imp {
             let Some((side, fork, join)) = &self.branches else {
                 return self.launch_ops(0..usize::MAX);
             };
+            let p = self.params.device_ptr(&self.stream).0;
             for l in &self.launches {
                 if l.fork {
                     fork.record(&self.stream)?;
@@ -858,7 +861,6 @@ mod imp {
                     self.stream.wait(join)?;
                 }
                 let stream = if l.side { side } else { &self.stream };
-                let p = self.params.device_ptr(&self.stream).0;
                 launch_with(stream, &l.func, p, l.grid, l.block, l.cond, &l.args, self.pdl)?;
             }
             Ok(())

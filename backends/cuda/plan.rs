@@ -195,24 +195,9 @@ impl<'a> Builder<'a> {
             n_used,
         };
         self.launch(1, 32, a);
-        let a = ExpertCacheCopyArgs {
-            state: Ptr::cache_state(layer),
-            gate_home: Ptr::expert_home(tensors[0]),
-            up_home: Ptr::expert_home(tensors[1]),
-            down_home: Ptr::expert_home(tensors[2]),
-            slots: Ptr::cache_slots(layer),
-            slot_bytes,
-            gate_qs: pieces(g.0),
-            gate_rest: pieces(g.1),
-            up_qs: pieces(u.0),
-            up_rest: pieces(u.1),
-            down_qs: pieces(d.0),
-            down_rest: pieces(d.1),
-            n_expert,
-            n_used,
-        };
-        // Enough 16-byte loads in flight to keep the bus busy (two blocks per SM on an H200).
-        self.launch(264, 256, a);
+        // The plan kernel leaves (source, destination, bytes) jobs in the state. Enough 16-byte
+        // loads in flight to keep the bus busy (two blocks per SM on an H200).
+        self.launch(264, 256, ExpertCacheCopyArgs { state: Ptr::cache_state(layer) });
     }
 
     fn expert_type(&self, w: WeightId) -> Result<u32, String> {
