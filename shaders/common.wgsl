@@ -351,3 +351,137 @@ fn zero32() -> array<f32, 32> {
     }
     return v;
 }
+
+// Q8_0 of one block of 32 values held by a 32-lane group (lane = lid % 32), as quantize_q8_0
+// computes it: d = amax/127, q = round-half-even(x * (1/d)). Returns the lane's packed word of
+// 4 quants (meaningful on lanes lid % 4 == 0, which store it) and the bits of d. Workgroups of
+// 256; call in uniform control flow. Norms and SwiGLU call it on their own outputs, so that the
+// Q8_0 matvecs that read them need no quantize dispatch.
+var<workgroup> q8_bytes: array<i32, 256>;
+
+fn q8_block(v: f32, lid: u32) -> vec2<u32> {
+    let amax = lane_max(abs(v), lid);
+    let d = fdiv(amax, 127.0);
+    var id = 0.0;
+    if (d != 0.0) {
+        id = fdiv(1.0, d);
+    }
+    q8_bytes[lid] = clamp(i32(round(fmul(v, id))), -128, 127);
+    workgroupBarrier();
+    var w = 0u;
+    if (lid % 4u == 0u) {
+        w = (u32(q8_bytes[lid]) & 255u) | ((u32(q8_bytes[lid + 1u]) & 255u) << 8u)
+            | ((u32(q8_bytes[lid + 2u]) & 255u) << 16u) | ((u32(q8_bytes[lid + 3u]) & 255u) << 24u);
+    }
+    // The next call's writes wait for these reads.
+    workgroupBarrier();
+    return vec2<u32>(w, bitcast<u32>(d));
+}
+
+// E4M3 (fp8) values and rounding, for the fp8 round trip of KV rows (kv.wgsl, norm.wgsl's kv_finish).
+fn e4m3_value(i: i32) -> f32 {
+    let e = (i >> 3u) & 15;
+    let mant = f32(i & 7);
+    if (e == 0) {
+        return fmul(mant, 0.001953125);
+    }
+    return fmul(fadd(1.0, fmul(mant, 0.125)), pow2i(e - 7));
+}
+
+// Nearest E4M3 value (ties to the even code), saturating at 448.
+fn e4m3_round(x: f32) -> f32 {
+    var sign = 1.0;
+    if (x < 0.0) {
+        sign = -1.0;
+    }
+    let ax = min(abs(x), 448.0);
+    var lo = 0;
+    var hi = 126;
+    while (lo < hi) {
+        let mid = (lo + hi + 1) >> 1u;
+        if (e4m3_value(mid) <= ax) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    var best = lo;
+    if (best < 126) {
+        let d0 = abs(fsub(ax, e4m3_value(best)));
+        let d1 = abs(fsub(ax, e4m3_value(best + 1)));
+        if (d1 < d0 || (d1 == d0 && ((best + 1) & 1) == 0 && (best & 1) != 0)) {
+            best = best + 1;
+        }
+    }
+    return fmul(sign, e4m3_value(best));
+}
+
+// Q8_K of one block of 256 values, one per invocation of a workgroup of 256, as quantize_q8_k
+// computes it: max is the value of largest magnitude (the first one on ties), iscale =
+// -127/max, q = round(iscale * x), d = 1/iscale; an all-zero block gets d = 0 and zero quants.
+// Returns the invocation's share of the block: packed quant word `lid` (lid < 64), the sum of
+// quants 16*lid .. 16*lid + 15 (lid < 16) and d's bits (lid 0). Call in uniform control flow.
+var<workgroup> q8k_abs: array<f32, 256>;
+var<workgroup> q8k_idx: array<u32, 256>;
+var<workgroup> q8k_x: array<f32, 256>;
+var<workgroup> q8k_q: array<i32, 256>;
+
+struct Q8KLane {
+    word: u32,
+    bsum: u32,
+    d: u32,
+}
+
+fn q8k_block(v: f32, lid: u32) -> Q8KLane {
+    // The serial scan keeps the first value of largest magnitude (NaN and zeros never taken): a
+    // tree over (|x|, index) that keeps the larger magnitude, the lower index on ties, picks the
+    // same value in 8 steps instead of 256.
+    var key = 0.0;
+    if (abs(v) > 0.0) {
+        key = abs(v);
+    }
+    q8k_abs[lid] = key;
+    q8k_idx[lid] = lid;
+    q8k_x[lid] = v;
+    workgroupBarrier();
+    for (var off = 128u; off > 0u; off = off / 2u) {
+        if (lid < off) {
+            let a2 = q8k_abs[lid + off];
+            let i2 = q8k_idx[lid + off];
+            if (a2 > q8k_abs[lid] || (a2 == q8k_abs[lid] && i2 < q8k_idx[lid])) {
+                q8k_abs[lid] = a2;
+                q8k_idx[lid] = i2;
+            }
+        }
+        workgroupBarrier();
+    }
+    let amax = q8k_abs[0];
+    let mx = q8k_x[q8k_idx[0]];
+    var iscale = 0.0;
+    var q = 0;
+    if (amax != 0.0) {
+        iscale = fdiv(-127.0, mx);
+        q = clamp(i32(round(fmul(iscale, v))), -128, 127);
+    }
+    q8k_q[lid] = q;
+    workgroupBarrier();
+    var out = Q8KLane(0u, 0u, 0u);
+    if (lid < 64u) {
+        let k = lid * 4u;
+        out.word = (u32(q8k_q[k]) & 255u) | ((u32(q8k_q[k + 1u]) & 255u) << 8u)
+            | ((u32(q8k_q[k + 2u]) & 255u) << 16u) | ((u32(q8k_q[k + 3u]) & 255u) << 24u);
+    }
+    if (lid < 16u) {
+        var s = 0;
+        for (var i = 0u; i < 16u; i = i + 1u) {
+            s = s + q8k_q[lid * 16u + i];
+        }
+        out.bsum = u32(s);
+    }
+    if (lid == 0u && amax != 0.0) {
+        out.d = bitcast<u32>(fdiv(1.0, iscale));
+    }
+    // The next call's writes wait for these reads.
+    workgroupBarrier();
+    return out;
+}

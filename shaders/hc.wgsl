@@ -6,6 +6,9 @@
 @group(0) @binding(3) var<storage, read_write> B1: array<f32>;
 @group(0) @binding(4) var<storage, read_write> B2: array<f32>;
 @group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
+// hc_post_add's second block and the sum it stores.
+@group(0) @binding(9) var<storage, read_write> B3: array<f32>;
+@group(0) @binding(10) var<storage, read_write> SUM: array<f32>;
 // Small weight vectors (HC scale and base), as f32.
 @group(0) @binding(6) var<storage, read> V0: array<f32>;
 @group(0) @binding(7) var<storage, read> V1: array<f32>;
@@ -37,33 +40,30 @@ fn embed_hc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 
 // The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n.
 var<workgroup> cm: array<f32, 64>;
+// The split [pre | post | comb] once Sinkhorn is done (n_hc at most 8: 2n + n*n <= 80 values).
+var<workgroup> sp: array<f32, 80>;
 
-// Element k of the combine matrix after every invocation wrote its own: the write, then a
+// Element k of the combine matrix after every live invocation wrote its own: the write, then a
 // barrier before the reads, and one after them so that the next write cannot overtake a read.
-fn share(k: u32, v: f32) {
+fn share(k: u32, v: f32, live: bool) {
     workgroupBarrier();
-    cm[k] = v;
+    if (live) {
+        cm[k] = v;
+    }
     workgroupBarrier();
 }
 
-// args: n_hc (at most 8), iters, eps. split = [pre | post | comb] from mix (B0), scale (V0) and
-// base (V1): sigmoid gates, then a softmax per dst row and Sinkhorn normalization. Invocation
-// k < n*n holds element k = src + dst*n; each row or column sum reads its n elements from
-// workgroup memory and adds them in the serial reference's order (src, or dst, ascending), so
-// every invocation computes exactly what the serial CPU reference does (kernels/hc.cu does the
-// same on the lanes of a warp). Every invocation reaches every barrier.
-@compute @workgroup_size(64)
-fn hc_split(@builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
-    let n = arg(0u);
-    let iters = arg(1u);
-    let eps = argf(2u);
+// The split = [pre | post | comb] into `sp`, from mix (B0), scale (V0) and base (V1): sigmoid
+// gates, then a softmax per dst row and Sinkhorn normalization. Invocation k < n*n holds element
+// k = src + dst*n; each row or column sum reads its n elements from workgroup memory and adds
+// them in the serial reference's order (src, or dst, ascending), so every invocation computes
+// exactly what the serial CPU reference does (kernels/hc.cu does the same on the lanes of a
+// warp). Workgroups of at least 64; every invocation reaches every barrier.
+fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
     if (lid < n) {
-        OUT[lid] = fadd(fdiv(1.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[0]), V1[lid])))), eps);
+        sp[lid] = fadd(fdiv(1.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[0]), V1[lid])))), eps);
     } else if (lid < 2u * n) {
-        OUT[lid] = fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[1]), V1[lid]))));
+        sp[lid] = fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[1]), V1[lid]))));
     }
     let live = lid < n * n;
     let k = min(lid, n * n - 1u);
@@ -72,13 +72,13 @@ fn hc_split(@builtin(local_invocation_index) lid: u32) {
     let row = dst * n;
     // Softmax over src for each dst row, then + eps.
     var c = fadd(fmul(B0[2u * n + k], V0[2]), V1[2u * n + k]);
-    share(lid, c);
+    share(lid, c, live);
     var mx = -1.0e30;
     for (var s = 0u; s < n; s = s + 1u) {
         mx = max(mx, cm[row + s]);
     }
     c = ds4_exp(fsub(c, mx));
-    share(lid, c);
+    share(lid, c, live);
     var sum = zero();
     for (var s = 0u; s < n; s = s + 1u) {
         sum = fadd(sum, cm[row + s]);
@@ -87,7 +87,7 @@ fn hc_split(@builtin(local_invocation_index) lid: u32) {
     for (var it = 0u; it < iters; it = it + 1u) {
         if (it > 0u) {
             // This dst row, over src.
-            share(lid, c);
+            share(lid, c, live);
             var t = zero();
             for (var s = 0u; s < n; s = s + 1u) {
                 t = fadd(t, cm[row + s]);
@@ -95,7 +95,7 @@ fn hc_split(@builtin(local_invocation_index) lid: u32) {
             c = fmul(c, fdiv(1.0, fadd(t, eps)));
         }
         // This src column, over dst.
-        share(lid, c);
+        share(lid, c, live);
         var t = zero();
         for (var d = 0u; d < n; d = d + 1u) {
             t = fadd(t, cm[src + d * n]);
@@ -103,8 +103,51 @@ fn hc_split(@builtin(local_invocation_index) lid: u32) {
         c = fmul(c, fdiv(1.0, fadd(t, eps)));
     }
     if (live) {
-        OUT[2u * n + k] = c;
+        sp[2u * n + k] = c;
     }
+    workgroupBarrier();
+}
+
+// args: n_hc (at most 8), iters, eps. split (OUT) = `sinkhorn`'s [pre | post | comb].
+@compute @workgroup_size(64)
+fn hc_split(@builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    sinkhorn(lid, n, arg(1u), argf(2u));
+    for (var j = lid; j < 2u * n + n * n; j = j + 64u) {
+        OUT[j] = sp[j];
+    }
+}
+
+// HcSplit and the HcWeightedSum of its pre weights in one dispatch. args: n_hc, iters, eps, len.
+// Every workgroup runs the same Sinkhorn (same bits in each); workgroup 0 stores the split (OUT)
+// for the HcPost that reads it. out (B2)[d] = sum_h pre[h] * hc (B1)[h*len + d], as hc_weighted_sum.
+@compute @workgroup_size(256)
+fn hc_split_weighted_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let len = arg(3u);
+    sinkhorn(lid, n, arg(1u), argf(2u));
+    let g = group_index(wid, nwg);
+    if (g == 0u) {
+        for (var j = lid; j < 2u * n + n * n; j = j + 256u) {
+            OUT[j] = sp[j];
+        }
+    }
+    let d = g * 256u + lid;
+    if (d >= len) {
+        return;
+    }
+    var acc = zero();
+    for (var h = 0u; h < n; h = h + 1u) {
+        acc = fadd(acc, fmul(B1[h * len + d], sp[h]));
+    }
+    B2[d] = acc;
 }
 
 // args: n, n_hc. out[d] = sum_h weights[h] * hc[h*n + d] (hc: B0, weights: B1).
@@ -158,4 +201,31 @@ fn hc_head_weights(@builtin(local_invocation_index) lid: u32) {
     if (lid < arg(0u)) {
         OUT[lid] = fadd(sigmoid(fadd(fmul(B0[lid], V0[0]), V1[lid])), argf(1u));
     }
+}
+
+// Add and HcPost in one dispatch. args: n, n_hc. The block is block (B0) + block_b (B3), as
+// `add` computes it, also stored to SUM (by the dst 0 invocations); then hc_post's sum.
+@compute @workgroup_size(256)
+fn hc_post_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let n_hc = arg(1u);
+    let i = group_index(wid, nwg) * 256u + lid;
+    if (i >= n * n_hc) {
+        return;
+    }
+    let dst = i / n;
+    let d = i % n;
+    let block = o(B0[d] + B3[d]);
+    if (dst == 0u) {
+        SUM[d] = block;
+    }
+    var acc = fmul(block, B2[n_hc + dst]);
+    for (var src = 0u; src < n_hc; src = src + 1u) {
+        acc = fadd(acc, fmul(B2[2u * n_hc + dst + src * n_hc], B1[src * n + d]));
+    }
+    OUT[i] = acc;
 }

@@ -10,43 +10,6 @@
 
 var<workgroup> vals: array<f32, 128>;
 
-fn e4m3_value(i: i32) -> f32 {
-    let e = (i >> 3u) & 15;
-    let mant = f32(i & 7);
-    if (e == 0) {
-        return fmul(mant, 0.001953125);
-    }
-    return fmul(fadd(1.0, fmul(mant, 0.125)), pow2i(e - 7));
-}
-
-// Nearest E4M3 value (ties to the even code), saturating at 448.
-fn e4m3_round(x: f32) -> f32 {
-    var sign = 1.0;
-    if (x < 0.0) {
-        sign = -1.0;
-    }
-    let ax = min(abs(x), 448.0);
-    var lo = 0;
-    var hi = 126;
-    while (lo < hi) {
-        let mid = (lo + hi + 1) >> 1u;
-        if (e4m3_value(mid) <= ax) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    var best = lo;
-    if (best < 126) {
-        let d0 = abs(fsub(ax, e4m3_value(best)));
-        let d1 = abs(fsub(ax, e4m3_value(best + 1)));
-        if (d1 < d0 || (d1 == d0 && ((best + 1) & 1) == 0 && (best & 1) != 0)) {
-            best = best + 1;
-        }
-    }
-    return fmul(sign, e4m3_value(best));
-}
-
 // One workgroup of 64 per 64 non-RoPE dims; power-of-two scale from the block's amax.
 @compute @workgroup_size(64)
 fn fp8_round_trip(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {

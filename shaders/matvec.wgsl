@@ -10,9 +10,7 @@
 // Q8_0 activation: packed signed bytes, then one f32 scale per 32 values from word `d_off`.
 @group(0) @binding(5) var<storage, read_write> XQ: array<u32>;
 
-var<workgroup> qbyte: array<i32, 256>;
-
-// args: n, d_off. One 32-lane group per 32-block: d = amax/127, q = round-half-even(x * (1/d)).
+// args: n, d_off. One 32-lane group per 32-block (`q8_block`).
 @compute @workgroup_size(256)
 fn quantize_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
@@ -28,21 +26,12 @@ fn quantize_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if (valid) {
         v = X[b * 32u + lane];
     }
-    let amax = lane_max(abs(v), lid);
-    let d = fdiv(amax, 127.0);
-    var id = 0.0;
-    if (d != 0.0) {
-        id = fdiv(1.0, d);
-    }
-    qbyte[lid] = clamp(i32(round(fmul(v, id))), -128, 127);
-    workgroupBarrier();
+    let q = q8_block(v, lid);
     if (valid && lane % 4u == 0u) {
-        let w = (u32(qbyte[lid]) & 255u) | ((u32(qbyte[lid + 1u]) & 255u) << 8u)
-            | ((u32(qbyte[lid + 2u]) & 255u) << 16u) | ((u32(qbyte[lid + 3u]) & 255u) << 24u);
-        XQ[(b * 32u + lane) / 4u] = w;
+        XQ[(b * 32u + lane) / 4u] = q.x;
     }
     if (valid && lane == 0u) {
-        XQ[d_off + b] = bitcast<u32>(d);
+        XQ[d_off + b] = q.y;
     }
 }
 
@@ -60,14 +49,26 @@ struct Q8Block {
     s: u32,
 }
 
+// mat_vec_q8_0_pair's second matrix and output.
+@group(0) @binding(6) var<storage, read> W4B: array<vec4<u32>>;
+@group(0) @binding(7) var<storage, read_write> OUT2: array<f32>;
+
+// Vector i of the first weight (W4), or of the second (W4B, mat_vec_q8_0_pair only).
+fn wvec(second: bool, i: u32) -> vec4<u32> {
+    if (second) {
+        return W4B[i];
+    }
+    return W4[i];
+}
+
 // Block b of the row whose quants start at vector wq and scales at half hs; zeros past nb.
-fn q8_load(wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
+fn q8_load(second: bool, wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
     var k = Q8Block(vec4<u32>(0u), vec4<u32>(0u), 0u);
     if (b < nb) {
-        k.w0 = W4[wq + 2u * b];
-        k.w1 = W4[wq + 2u * b + 1u];
+        k.w0 = wvec(second, wq + 2u * b);
+        k.w1 = wvec(second, wq + 2u * b + 1u);
         let h = hs + b;
-        k.s = W4[h / 8u][(h / 2u) % 4u] >> ((h % 2u) * 16u);
+        k.s = wvec(second, h / 8u)[(h / 2u) % 4u] >> ((h % 2u) * 16u);
     }
     return k;
 }
@@ -86,37 +87,19 @@ fn q8_chunk(k: Q8Block, xq: u32, xd: u32, b: u32, nb: u32) -> f32 {
     return acc;
 }
 
-// args: in_dim, rows (in this chunk), rows_per_group, row0, d_off (XQ scales), ws_off (word of the
-// chunk's f16 scales). Weights repacked at upload: each row's quants (8 words per block), then
-// all f16 scales. Block term: (f16(d_w) * d_x) * isum. 32 lanes per row, 8 rows per workgroup;
-// a lane reads its block as two 16-byte vectors, and the weights of 4 chunks (kernels/matvec.cu:
-// Q8_EARLY_CHUNKS) are all requested before the first sum, then the chunk sums add in order.
-@compute @workgroup_size(256)
-fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
-    let in_dim = arg(0u);
-    let rows = arg(1u);
-    let row0 = arg(3u);
-    let d_off = arg(4u);
-    let ws_off = arg(5u);
+// The dot product of Q8_0 row rr (of `second`'s matrix: quants from vector wq, f16 scales from
+// half hs) with the Q8_0 activation (quants from vector xq, scales from word xd): 32 lanes,
+// a lane reads its block as two 16-byte vectors, and the weights of 4 chunks
+// (kernels/matvec.cu: Q8_EARLY_CHUNKS) are all requested before the first sum, then the chunk
+// sums add in order. Call in uniform control flow.
+fn q8_row(second: bool, wq: u32, hs: u32, xq: u32, xd: u32, nb: u32, lid: u32) -> f32 {
     let lane = lid % 32u;
-    let r = group_index(wid, nwg) * 8u + lid / 32u;
-    let rr = min(r, rows - 1u);
-    let nb = in_dim / 32u;
-    let g = (row0 + rr) / arg(2u);
-    let wq = rr * nb * 2u;
-    let hs = ws_off * 2u + rr * nb;
-    let xq = g * nb * 2u;
-    let xd = d_off + g * nb;
     var total = zero();
     for (var c = 0u; c < nb; c = c + 128u) {
-        let k0 = q8_load(wq, hs, c + lane, nb);
-        let k1 = q8_load(wq, hs, c + 32u + lane, nb);
-        let k2 = q8_load(wq, hs, c + 64u + lane, nb);
-        let k3 = q8_load(wq, hs, c + 96u + lane, nb);
+        let k0 = q8_load(second, wq, hs, c + lane, nb);
+        let k1 = q8_load(second, wq, hs, c + 32u + lane, nb);
+        let k2 = q8_load(second, wq, hs, c + 64u + lane, nb);
+        let k3 = q8_load(second, wq, hs, c + 96u + lane, nb);
         // Chunks past the row's end are skipped whole (a uniform condition).
         total = fadd(total, lane_sum(q8_chunk(k0, xq, xd, c + lane, nb), lid));
         if (c + 32u < nb) {
@@ -129,8 +112,64 @@ fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             total = fadd(total, lane_sum(q8_chunk(k3, xq, xd, c + 96u + lane, nb), lid));
         }
     }
-    if (r < rows && lane == 0u) {
+    return total;
+}
+
+// args: in_dim, rows (in this chunk), rows_per_group, row0, d_off (XQ scales), ws_off (word of the
+// chunk's f16 scales). Weights repacked at upload: each row's quants (8 words per block), then
+// all f16 scales. Block term: (f16(d_w) * d_x) * isum. 32 lanes per row, 8 rows per workgroup.
+@compute @workgroup_size(256)
+fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let d_off = arg(4u);
+    let ws_off = arg(5u);
+    let r = group_index(wid, nwg) * 8u + lid / 32u;
+    let rr = min(r, rows - 1u);
+    let nb = in_dim / 32u;
+    let g = (row0 + rr) / arg(2u);
+    let total = q8_row(false, rr * nb * 2u, ws_off * 2u + rr * nb, g * nb * 2u, d_off + g * nb, nb, lid);
+    if (r < rows && lid % 32u == 0u) {
         OUT[row0 + r] = total;
+    }
+}
+
+// Two ungrouped Q8_0 matrices of the same input in one dispatch (q_a and kv, the shared expert's
+// gate and up), each row as mat_vec_q8_0 computes it. args: in_dim, rows, d_off, ws_off, rows2,
+// ws_off2. Rows [0, rows) are the first matrix's (W4 into OUT), then rows2 of the second (W4B
+// into OUT2).
+@compute @workgroup_size(256)
+fn mat_vec_q8_0_pair(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let d_off = arg(2u);
+    let rows2 = arg(4u);
+    let r = group_index(wid, nwg) * 8u + lid / 32u;
+    let rr = min(r, rows + rows2 - 1u);
+    let nb = in_dim / 32u;
+    let second = rr >= rows;
+    var row = rr;
+    var ws_off = arg(3u);
+    if (second) {
+        row = rr - rows;
+        ws_off = arg(5u);
+    }
+    let total = q8_row(second, row * nb * 2u, ws_off * 2u + row * nb, 0u, d_off, nb, lid);
+    if (r < rows + rows2 && lid % 32u == 0u) {
+        if (second) {
+            OUT2[row] = total;
+        } else {
+            OUT[row] = total;
+        }
     }
 }
 
@@ -328,26 +367,45 @@ fn add4_f32(acc0: f32, w: vec4<f32>, x: vec4<f32>) -> f32 {
     return fadd(acc, fmul(w.w, x.w));
 }
 
-fn x4(i: u32) -> vec4<f32> {
-    return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]);
+// Input value i: x[i], or with `scaled` the RMS norm's output x[i] * xs (the same bits as the
+// norm writes: mat_vec_f16_split_norm reads the norm's input).
+fn xv(i: u32, xs: f32, scaled: bool) -> f32 {
+    if (scaled) {
+        return fmul(X[i], xs);
+    }
+    return X[i];
+}
+fn x4(i: u32, xs: f32, scaled: bool) -> vec4<f32> {
+    return vec4<f32>(xv(i, xs, scaled), xv(i + 1u, xs, scaled), xv(i + 2u, xs, scaled), xv(i + 3u, xs, scaled));
+}
+// The split-K entry points' second matrix (two matrices of one input in one dispatch: the
+// compressor's kv and score projections); `split_second` says which one this workgroup reads.
+@group(0) @binding(9) var<storage, read> W2: array<u32>;
+var<private> split_second: bool;
+
+fn ws(i: u32) -> u32 {
+    if (split_second) {
+        return W2[i];
+    }
+    return W[i];
 }
 fn w4(i: u32) -> vec4<u32> {
-    return vec4<u32>(W[i], W[i + 1u], W[i + 2u], W[i + 3u]);
+    return vec4<u32>(ws(i), ws(i + 1u), ws(i + 2u), ws(i + 3u));
 }
 
 // The 16 terms lane `lane` adds of the F16 chunk that starts at term c0 (8 consecutive per step;
-// row wr and vector xg are term offsets).
-fn chunk_f16(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
+// row wr and vector xg are term offsets); the input as `xv` reads it.
+fn chunk_f16(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32, xs: f32, scaled: bool) -> f32 {
     var acc = zero();
     if (c0 + 512u <= in_dim) {
         // A whole chunk: every load first, then the adds in order.
         let i0 = c0 + lane * 8u;
         let a = w4((wr + i0) / 2u);
         let b = w4((wr + i0 + 256u) / 2u);
-        let p0 = x4(xg + i0);
-        let p1 = x4(xg + i0 + 4u);
-        let q0 = x4(xg + i0 + 256u);
-        let q1 = x4(xg + i0 + 260u);
+        let p0 = x4(xg + i0, xs, scaled);
+        let p1 = x4(xg + i0 + 4u, xs, scaled);
+        let q0 = x4(xg + i0 + 256u, xs, scaled);
+        let q1 = x4(xg + i0 + 260u, xs, scaled);
         return add8_f16(add8_f16(acc, a, p0, p1), b, q0, q1);
     }
     for (var u = 0u; u < 2u; u = u + 1u) {
@@ -355,9 +413,9 @@ fn chunk_f16(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
         for (var v = 0u; v < 8u; v = v + 2u) {
             let i = base + v;
             if (i < in_dim) {
-                let w = W[(wr + i) / 2u];
-                acc = fadd(acc, fmul(h2f(w & 0xffffu), X[xg + i]));
-                acc = fadd(acc, fmul(h2f(w >> 16u), X[xg + i + 1u]));
+                let w = ws((wr + i) / 2u);
+                acc = fadd(acc, fmul(h2f(w & 0xffffu), xv(xg + i, xs, scaled)));
+                acc = fadd(acc, fmul(h2f(w >> 16u), xv(xg + i + 1u, xs, scaled)));
             }
         }
     }
@@ -373,10 +431,10 @@ fn chunk_f32(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
         let w1 = bitcast<vec4<f32>>(w4(wr + i0 + 128u));
         let w2 = bitcast<vec4<f32>>(w4(wr + i0 + 256u));
         let w3 = bitcast<vec4<f32>>(w4(wr + i0 + 384u));
-        let y0 = x4(xg + i0);
-        let y1 = x4(xg + i0 + 128u);
-        let y2 = x4(xg + i0 + 256u);
-        let y3 = x4(xg + i0 + 384u);
+        let y0 = x4(xg + i0, 0.0, false);
+        let y1 = x4(xg + i0 + 128u, 0.0, false);
+        let y2 = x4(xg + i0 + 256u, 0.0, false);
+        let y3 = x4(xg + i0 + 384u, 0.0, false);
         return add4_f32(add4_f32(add4_f32(add4_f32(acc, w0, y0), w1, y1), w2, y2), w3, y3);
     }
     for (var u = 0u; u < 4u; u = u + 1u) {
@@ -384,7 +442,7 @@ fn chunk_f32(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
         for (var v = 0u; v < 4u; v = v + 1u) {
             let i = base + v;
             if (i < in_dim) {
-                acc = fadd(acc, fmul(bitcast<f32>(W[wr + i]), X[xg + i]));
+                acc = fadd(acc, fmul(bitcast<f32>(ws(wr + i)), X[xg + i]));
             }
         }
     }
@@ -392,15 +450,23 @@ fn chunk_f32(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
 }
 
 // One row per workgroup, chunk c on lane group c % 8, the chunk sums added in chunk order by
-// invocation 0. F16 or F32 weights (`is_f16` is the same for every invocation of a dispatch).
-fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool) {
+// invocation 0. F16 or F32 weights (`is_f16` is the same for every invocation of a dispatch);
+// F16 inputs as `xv` reads them. With rows2 = arg(5) > 0 (ungrouped matrices only), workgroups
+// rows .. rows + rows2 compute the rows of the second matrix (W2) into OUT2.
+fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool, xs: f32, scaled: bool) {
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
+    let rows2 = arg(5u);
     let lane = lid % 32u;
     let r = group_index(wid, nwg);
-    let rr = min(r, rows - 1u);
-    let xg = ((row0 + rr) / arg(2u)) * in_dim;
+    split_second = r >= rows;
+    var rr = min(r, rows - 1u);
+    var xg = ((row0 + rr) / arg(2u)) * in_dim;
+    if (split_second) {
+        rr = min(r - rows, rows2 - 1u);
+        xg = 0u;
+    }
     let wr = rr * in_dim;
     let n_chunks = (in_dim + 511u) / 512u;
     for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
@@ -408,7 +474,7 @@ fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool) {
         var acc = zero();
         if (c < n_chunks) {
             if (is_f16) {
-                acc = chunk_f16(wr, xg, c * 512u, in_dim, lane);
+                acc = chunk_f16(wr, xg, c * 512u, in_dim, lane, xs, scaled);
             } else {
                 acc = chunk_f32(wr, xg, c * 512u, in_dim, lane);
             }
@@ -419,12 +485,16 @@ fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool) {
         }
     }
     workgroupBarrier();
-    if (r < rows && lid == 0u) {
+    if (r < rows + rows2 && lid == 0u) {
         var total = zero();
         for (var c = 0u; c < n_chunks; c = c + 1u) {
             total = fadd(total, part[c]);
         }
-        OUT[row0 + r] = total;
+        if (split_second) {
+            OUT2[rr] = total;
+        } else {
+            OUT[row0 + r] = total;
+        }
     }
 }
 
@@ -434,7 +504,7 @@ fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     if (!guard()) {
         return;
     }
-    mat_vec_split(wid, nwg, lid, true);
+    mat_vec_split(wid, nwg, lid, true, 0.0, false);
 }
 
 @compute @workgroup_size(256)
@@ -443,5 +513,31 @@ fn mat_vec_f32_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     if (!guard()) {
         return;
     }
-    mat_vec_split(wid, nwg, lid, false);
+    mat_vec_split(wid, nwg, lid, false, 0.0, false);
+}
+
+// mat_vec_f16_split_norm's copy of the norm's output.
+@group(0) @binding(8) var<storage, read_write> NORM_OUT: array<f32>;
+
+// RmsNorm without weight of one row (X) and the split-K F16 matvec of its output in one dispatch
+// (the HC mix projections): every workgroup computes the row's scale as rms_norm does
+// (row_scale), reads x * scale wherever the matvec reads the norm's output, and writes its share
+// of the norm's output (NORM_OUT) for any later reader. args: in_dim, rows, rows_per_group (rows),
+// row0 (0), eps.
+@compute @workgroup_size(256)
+fn mat_vec_f16_split_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                          @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let rows = arg(1u);
+    let scale = row_scale(0u, n, argf(4u), lid);
+    let per = (n + rows - 1u) / rows;
+    let begin = min(group_index(wid, nwg) * per, n);
+    let end = min(begin + per, n);
+    for (var i = begin + lid; i < end; i = i + 256u) {
+        NORM_OUT[i] = fmul(X[i], scale);
+    }
+    mat_vec_split(wid, nwg, lid, true, scale, true);
 }

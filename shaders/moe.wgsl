@@ -95,10 +95,6 @@ fn router_select(@builtin(local_invocation_index) lid: u32) {
     }
 }
 
-var<workgroup> qv: array<i32, 256>;
-var<workgroup> qa: array<f32, 256>;
-var<workgroup> qi: array<u32, 256>;
-
 // args: nb (blocks in the output layout). One workgroup per 256 values of F0 into XQ: max is the
 // value of largest magnitude (the first one on ties), iscale = -127/max, q = round(iscale * x),
 // d = 1/iscale; an all-zero block gets d = 0 and zero quants.
@@ -109,56 +105,15 @@ fn quantize_q8_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     }
     let nb = arg(0u);
     let b = wid.x;
-    let v = F0[b * 256u + lid];
-    // The serial scan keeps the first value of largest magnitude (NaN and zeros never taken): a
-    // tree over (|x|, index) that keeps the larger magnitude, the lower index on ties, picks the
-    // same value in 8 steps instead of 256.
-    var key = 0.0;
-    if (abs(v) > 0.0) {
-        key = abs(v);
-    }
-    qa[lid] = key;
-    qi[lid] = lid;
-    workgroupBarrier();
-    for (var off = 128u; off > 0u; off = off / 2u) {
-        if (lid < off) {
-            let a2 = qa[lid + off];
-            let i2 = qi[lid + off];
-            if (a2 > qa[lid] || (a2 == qa[lid] && i2 < qi[lid])) {
-                qa[lid] = a2;
-                qi[lid] = i2;
-            }
-        }
-        workgroupBarrier();
-    }
-    let amax = qa[0];
-    let mx = F0[b * 256u + qi[0]];
-    var iscale = 0.0;
-    var q = 0;
-    if (amax != 0.0) {
-        iscale = fdiv(-127.0, mx);
-        q = clamp(i32(round(fmul(iscale, v))), -128, 127);
-    }
-    qv[lid] = q;
-    workgroupBarrier();
+    let k = q8k_block(F0[b * 256u + lid], lid);
     if (lid < 64u) {
-        let k = lid * 4u;
-        XQ[17u * nb + b * 64u + lid] = (u32(qv[k]) & 255u) | ((u32(qv[k + 1u]) & 255u) << 8u)
-            | ((u32(qv[k + 2u]) & 255u) << 16u) | ((u32(qv[k + 3u]) & 255u) << 24u);
+        XQ[17u * nb + b * 64u + lid] = k.word;
     }
     if (lid < 16u) {
-        var s = 0;
-        for (var i = 0u; i < 16u; i = i + 1u) {
-            s = s + qv[lid * 16u + i];
-        }
-        XQ[nb + b * 16u + lid] = u32(s);
+        XQ[nb + b * 16u + lid] = k.bsum;
     }
     if (lid == 0u) {
-        var d = 0.0;
-        if (amax != 0.0) {
-            d = fdiv(1.0, iscale);
-        }
-        XQ[b] = bitcast<u32>(d);
+        XQ[b] = k.d;
     }
 }
 

@@ -5,40 +5,19 @@
 @group(0) @binding(2) var<storage, read_write> X: array<f32>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
 @group(0) @binding(4) var<storage, read> WV: array<f32>;
+// The output's Q8_0 quantization (quantize_q8_0's layout: n / 4 words of quants, then the scales).
+@group(0) @binding(5) var<storage, read_write> XQ: array<u32>;
+// The RoPE table (rms_norm with RoPE, kv_finish) and the raw KV ring (kv_finish).
+@group(0) @binding(6) var<storage, read> TABLE: array<f32>;
+@group(0) @binding(7) var<storage, read_write> CACHE: array<f32>;
+// The output's Q8_K quantization, for the routed experts (quantize_q8_k's layout, n / 256 blocks).
+@group(0) @binding(9) var<storage, read_write> XK: array<u32>;
 
-var<workgroup> chunk_sums: array<f32, 64>;
-var<workgroup> scale_sh: f32;
-
-// The 16 squares lane `lane` adds of the chunk that starts at x[c0] (4 consecutive per step).
-fn chunk_squares(row: u32, c0: u32, n: u32, lane: u32) -> f32 {
-    var acc = zero();
-    if (c0 + 512u <= n) {
-        // A whole chunk: every load first, then the adds in order.
-        let i = row + c0 + lane * 4u;
-        let a = vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]);
-        let b = vec4<f32>(X[i + 128u], X[i + 129u], X[i + 130u], X[i + 131u]);
-        let c = vec4<f32>(X[i + 256u], X[i + 257u], X[i + 258u], X[i + 259u]);
-        let d = vec4<f32>(X[i + 384u], X[i + 385u], X[i + 386u], X[i + 387u]);
-        acc = fadd(fadd(fadd(fadd(acc, fmul(a.x, a.x)), fmul(a.y, a.y)), fmul(a.z, a.z)), fmul(a.w, a.w));
-        acc = fadd(fadd(fadd(fadd(acc, fmul(b.x, b.x)), fmul(b.y, b.y)), fmul(b.z, b.z)), fmul(b.w, b.w));
-        acc = fadd(fadd(fadd(fadd(acc, fmul(c.x, c.x)), fmul(c.y, c.y)), fmul(c.z, c.z)), fmul(c.w, c.w));
-        return fadd(fadd(fadd(fadd(acc, fmul(d.x, d.x)), fmul(d.y, d.y)), fmul(d.z, d.z)), fmul(d.w, d.w));
-    }
-    for (var u = 0u; u < 4u; u = u + 1u) {
-        let base = c0 + u * 128u + lane * 4u;
-        for (var v = 0u; v < 4u; v = v + 1u) {
-            let i = base + v;
-            if (i < n) {
-                let x = X[row + i];
-                acc = fadd(acc, fmul(x, x));
-            }
-        }
-    }
-    return acc;
-}
-
-// args: n, eps, has_weight, slices, per, rows * slices. Workgroup g normalizes row g / slices and writes its
-// outputs [slice * per, slice * per + per); each workgroup of a row sums the whole row.
+// args: n, eps, has_weight, slices, per, rows * slices, q8, q8k (both: one row only; q8k: slices of
+// whole 256-blocks), rope, n_rot. With rope, each row is a head whose last n_rot values are then
+// rotated at the current position as rope_tail does (the query heads' norm and RoPE). Workgroup g
+// normalizes row g / slices and writes its outputs [slice * per, slice * per + per); each
+// workgroup of a row sums the whole row.
 @compute @workgroup_size(256)
 fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -59,36 +38,120 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (!live) {
         end = begin;
     }
-    let lane = lid % 32u;
-    let n_chunks = (n + 511u) / 512u;
-    for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
-        let c = cb + lid / 32u;
-        var acc = zero();
-        if (c < n_chunks) {
-            acc = chunk_squares(row, c * 512u, n, lane);
-        }
-        let s = lane_sum(acc, lid);
-        if (c < n_chunks && lane == 0u) {
-            chunk_sums[c] = s;
-        }
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        var ss = zero();
-        for (var c = 0u; c < n_chunks; c = c + 1u) {
-            ss = fadd(ss, chunk_sums[c]);
-        }
-        scale_sh = fdiv(1.0, sqrt_rn(fadd(fdiv(ss, f32(n)), eps)));
-    }
-    workgroupBarrier();
-    let scale = scale_sh;
+    let scale = row_scale(row, n, eps, lid);
+    let q8 = arg(6u) != 0u;
+    let q8k = arg(7u) != 0u;
+    let rope = arg(8u) != 0u;
     // Every invocation has read x for the sum and the scale before any output is written below.
-    for (var i = begin + lid; i < end; i = i + 256u) {
-        let v = fmul(X[row + i], scale);
-        if (has_w) {
-            OUT[row + i] = fmul(v, WV[i]);
-        } else {
+    // Steps of 256 outputs, the same count in every invocation (q8_block has barriers); with q8,
+    // each 32-lane group quantizes the block of 32 it wrote (rows of whole blocks).
+    for (var i0 = begin; i0 < end; i0 = i0 + 256u) {
+        let i = i0 + lid;
+        var v = 0.0;
+        if (i < end) {
+            v = fmul(X[row + i], scale);
+            if (has_w) {
+                v = fmul(v, WV[i]);
+            }
+        }
+        if (rope) {
+            // A pair's two values are in one step of 256 (even n_rot and n).
+            rope_v[lid] = v;
+            workgroupBarrier();
+            let tail = n - arg(9u);
+            if (i < end && i >= tail) {
+                let pairs = arg(9u) / 2u;
+                let k = (i - tail) / 2u;
+                let c = TABLE[(P.pos * pairs + k) * 2u];
+                let s = TABLE[(P.pos * pairs + k) * 2u + 1u];
+                let first = lid - (i - tail) % 2u;
+                let x0 = rope_v[first];
+                let x1 = rope_v[first + 1u];
+                if ((i - tail) % 2u == 0u) {
+                    v = fsub(fmul(x0, c), fmul(x1, s));
+                } else {
+                    v = fadd(fmul(x0, s), fmul(x1, c));
+                }
+            }
+            workgroupBarrier();
+        }
+        if (i < end) {
             OUT[row + i] = v;
         }
+        if (q8) {
+            let q = q8_block(v, lid);
+            if (i < end && lid % 4u == 0u) {
+                XQ[i / 4u] = q.x;
+            }
+            if (i < end && lid % 32u == 0u) {
+                XQ[n / 4u + i / 32u] = q.y;
+            }
+        }
+        if (q8k) {
+            // Steps of 256 are whole blocks here.
+            let k = q8k_block(v, lid);
+            let nb = n / 256u;
+            let b = i0 / 256u;
+            if (lid < 64u) {
+                XK[17u * nb + b * 64u + lid] = k.word;
+            }
+            if (lid < 16u) {
+                XK[nb + b * 16u + lid] = k.bsum;
+            }
+            if (lid == 0u) {
+                XK[b] = k.d;
+            }
+        }
+    }
+}
+
+// RmsNorm of the KV row (with weight), then what follows it in ds4's attention: RoPE on its last
+// n_rot dims at the current position, the fp8 round trip of the other dims (64 per block), and
+// the row's f16 copy into ring row pos % raw_cap (CACHE). Each value as rms_norm, rope_tail,
+// fp8_round_trip and store_raw compute it; the RoPE and fp8 parts touch different dims, so
+// their order does not matter. One workgroup. args: n, eps, n_rot, raw_cap.
+var<workgroup> kv_row: array<f32, 1024>;
+// rms_norm's outputs of one step, for the RoPE of their pairs.
+var<workgroup> rope_v: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn kv_finish(@builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let n_rot = arg(2u);
+    let scale = row_scale(0u, n, argf(1u), lid);
+    for (var i = lid; i < n; i = i + 256u) {
+        kv_row[i] = fmul(fmul(X[i], scale), WV[i]);
+    }
+    workgroupBarrier();
+    let tail = n - n_rot;
+    let pairs = n_rot / 2u;
+    let ring = (P.pos % arg(3u)) * n;
+    for (var i = lid; i < n; i = i + 256u) {
+        var v: f32;
+        if (i < tail) {
+            let b0 = i / 64u * 64u;
+            var amax = 1.0e-4;
+            for (var k = 0u; k < 64u; k = k + 1u) {
+                amax = max(amax, abs(kv_row[b0 + k]));
+            }
+            let s8 = pow2_ceil(fdiv(amax, 448.0));
+            v = fmul(e4m3_round(clamp(fdiv(kv_row[i], s8), -448.0, 448.0)), s8);
+        } else {
+            let k = (i - tail) / 2u;
+            let c = TABLE[(P.pos * pairs + k) * 2u];
+            let s = TABLE[(P.pos * pairs + k) * 2u + 1u];
+            let x0 = kv_row[tail + 2u * k];
+            let x1 = kv_row[tail + 2u * k + 1u];
+            if ((i - tail) % 2u == 0u) {
+                v = fsub(fmul(x0, c), fmul(x1, s));
+            } else {
+                v = fadd(fmul(x0, s), fmul(x1, c));
+            }
+        }
+        OUT[i] = v;
+        CACHE[ring + i] = round_f16(v);
     }
 }

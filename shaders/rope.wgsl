@@ -35,3 +35,63 @@ fn rope_tail(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     X[i] = fsub(fmul(x0, c), fmul(x1, s));
     X[i + 1u] = fadd(fmul(x0, s), fmul(x1, c));
 }
+
+// rope_tail_q8's Q8_0 quantization of X (quantize_q8_0's layout: n / 4 words of quants, then the
+// scales).
+@group(0) @binding(4) var<storage, read_write> XQ: array<u32>;
+
+var<workgroup> rope_in: array<f32, 256>;
+
+// RopeTail over all n_head rows of X, then the Q8_0 quantization of the result, for the Q8_0
+// matvec that reads it next (the attention output, rotated back, before wo_a). Every rotated
+// value as rope_tail computes it; the others pass through. One workgroup per 256 values, so the
+// two values of a pair (even head_dim and n_rot) are in one workgroup. args: as rope_tail, then n.
+@compute @workgroup_size(256)
+fn rope_tail_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let head_dim = arg(1u);
+    let n_rot = arg(2u);
+    let n = arg(6u);
+    let pairs = n_rot / 2u;
+    let i = group_index(wid, nwg) * 256u + lid;
+    var v = 0.0;
+    if (i < n) {
+        v = X[i];
+    }
+    // Every value is read before any is written.
+    rope_in[lid] = v;
+    workgroupBarrier();
+    let tail = head_dim - n_rot;
+    let d = i % head_dim;
+    if (i < n && d >= tail) {
+        let k = (d - tail) / 2u;
+        var pos = P.pos;
+        if (arg(3u) == 1u) {
+            pos = select(0u, P.pos + 1u - arg(4u), P.pos + 1u >= arg(4u));
+        }
+        let c = TABLE[(pos * pairs + k) * 2u];
+        var s = TABLE[(pos * pairs + k) * 2u + 1u];
+        if (arg(5u) != 0u) {
+            s = -s;
+        }
+        let first = lid - (d - tail) % 2u;
+        let x0 = rope_in[first];
+        let x1 = rope_in[first + 1u];
+        if ((d - tail) % 2u == 0u) {
+            v = fsub(fmul(x0, c), fmul(x1, s));
+        } else {
+            v = fadd(fmul(x0, s), fmul(x1, c));
+        }
+        X[i] = v;
+    }
+    let q = q8_block(v, lid);
+    if (i < n && lid % 4u == 0u) {
+        XQ[i / 4u] = q.x;
+    }
+    if (i < n && lid % 32u == 0u) {
+        XQ[n / 4u + i / 32u] = q.y;
+    }
+}

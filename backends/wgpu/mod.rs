@@ -30,7 +30,8 @@ pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
 }
 
 /// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, the
-/// lane reductions (subgroup shuffles or workgroup memory), then the file.
+/// lane reductions (subgroup shuffles or workgroup memory), `row_scale.wgsl` for the files that
+/// normalize rows, then the file.
 #[cfg(feature = "wgpu")]
 pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
     let body = match file {
@@ -49,7 +50,12 @@ pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
         true => include_str!("../../shaders/lanes_subgroup.wgsl"),
         false => include_str!("../../shaders/lanes_shared.wgsl"),
     };
-    Some(format!("{}{}\n{lanes}\n{body}", wgsl_constants(), include_str!("../../shaders/common.wgsl")))
+    // The RMS norm's row scale, for the norms and the matvec that normalizes its own input.
+    let row_scale = match file {
+        "norm" | "matvec" => include_str!("../../shaders/row_scale.wgsl"),
+        _ => "",
+    };
+    Some(format!("{}{}\n{lanes}\n{row_scale}\n{body}", wgsl_constants(), include_str!("../../shaders/common.wgsl")))
 }
 
 /// Every shader file.
@@ -228,7 +234,10 @@ mod imp {
         params: wgpu::Buffer,
         bufs: Vec<wgpu::Buffer>,
         pipelines: Vec<wgpu::ComputePipeline>,
+        /// The token's dispatches (fused plan).
         dispatches: Vec<Resolved>,
+        /// One dispatch group per op (unfused plan), for running a range of ops.
+        single_ops: Vec<Resolved>,
         _weights: Vec<wgpu::Buffer>,
         warnings: Vec<String>,
     }
@@ -284,7 +293,20 @@ mod imp {
                 )));
             }
             let device = be.device.clone();
-            let plan = plan::plan(&program, be.max_binding, be.rows).map_err(err)?;
+            // The token's fused plan, and one dispatch group per op for running single ops.
+            let plan = plan::plan(&program, be.max_binding, be.rows, true).map_err(err)?;
+            let single = plan::plan(&program, be.max_binding, be.rows, false).map_err(err)?;
+            if single.layouts != plan.layouts || single.ropes != plan.ropes {
+                return Err(err("the fused and the single-op plans lay the weights out differently"));
+            }
+            let mut scratch_need = plan.scratch.clone();
+            for &(k, bytes) in &single.scratch {
+                match scratch_need.iter_mut().find(|(s, _)| *s == k) {
+                    Some((_, b)) => *b = (*b).max(bytes),
+                    None => scratch_need.push((k, bytes)),
+                }
+            }
+            let all: Vec<&plan::Dispatch> = plan.dispatches.iter().chain(&single.dispatches).collect();
             use wgpu::util::DeviceExt;
             let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
             let make = |label: &str, bytes: &[u8]| {
@@ -362,16 +384,17 @@ mod imp {
                 .map(|(r, n_rot)| make("rope", &f32_bytes(&gpu_tables::rope_table(r, *n_rot, program.positions()))))
                 .collect();
             let scratch: HashMap<Scratch, wgpu::Buffer> =
-                plan.scratch.iter().map(|&(k, bytes)| (k, sized(&format!("{k:?}"), bytes))).collect();
+                scratch_need.iter().map(|&(k, bytes)| (k, sized(&format!("{k:?}"), bytes))).collect();
             let dummy = sized("dummy", 4);
+            let dummy_out = sized("dummy output", 4);
             let params = device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("step params"),
                 size: 16,
                 usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
-            let mut words = vec![0u32; plan.dispatches.len() * ARGS_STRIDE as usize / 4];
-            for (i, d) in plan.dispatches.iter().enumerate() {
+            let mut words = vec![0u32; all.len() * ARGS_STRIDE as usize / 4];
+            for (i, d) in all.iter().enumerate() {
                 let at = i * ARGS_STRIDE as usize / 4;
                 words[at..at + 3].copy_from_slice(&d.cond);
                 words[at + 4..at + 4 + d.args.len()].copy_from_slice(&d.args);
@@ -387,9 +410,9 @@ mod imp {
                 HashMap::new();
             let mut pipelines = Vec::new();
             let mut pipeline_of: HashMap<&'static str, usize> = HashMap::new();
-            let mut dispatches = Vec::with_capacity(plan.dispatches.len());
+            let mut dispatches = Vec::with_capacity(all.len());
             let max_x = device.limits().max_compute_workgroups_per_dimension.min(plan::MAX_GROUPS_X);
-            for (i, d) in plan.dispatches.iter().enumerate() {
+            for (i, d) in all.iter().enumerate() {
                 let file = plan::shader_of(d.entry).ok_or_else(|| err(format!("no shader has '{}'", d.entry)))?;
                 if !modules.contains_key(file) {
                     let (m, info) =
@@ -441,6 +464,7 @@ mod imp {
                                 Res::Grid => &grid,
                                 Res::Rope(r) => &ropes[r as usize],
                                 Res::Dummy => &dummy,
+                                Res::DummyOut => &dummy_out,
                             };
                             buf.as_entire_binding()
                         }
@@ -456,6 +480,7 @@ mod imp {
                 let y = d.groups.div_ceil(x);
                 dispatches.push(Resolved { op: d.op, entry: d.entry, pipeline: p, bind_group, groups: (x, y) });
             }
+            let single_ops = dispatches.split_off(plan.dispatches.len());
             let mut exe = WgpuExecutable {
                 program,
                 device,
@@ -466,9 +491,10 @@ mod imp {
                 bufs,
                 pipelines,
                 dispatches,
+                single_ops,
                 _weights: weights
                     .into_iter()
-                    .chain([grid, dummy, args])
+                    .chain([grid, dummy, dummy_out, args])
                     .chain(ropes)
                     .chain(scratch.into_values())
                     .collect(),
@@ -500,13 +526,13 @@ mod imp {
             Ok(())
         }
 
-        /// Records the dispatches of ops in `ops` into one compute pass and submits it.
-        fn run(&self, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+        /// Records the dispatches in `list` of ops in `ops` into one compute pass and submits it.
+        fn run(&self, list: &[Resolved], ops: std::ops::Range<usize>) -> Result<(), BackendError> {
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("token") });
             {
                 let mut pass =
                     enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-                for d in self.dispatches.iter().filter(|d| ops.contains(&d.op)) {
+                for d in list.iter().filter(|d| ops.contains(&d.op)) {
                     pass.set_pipeline(&self.pipelines[d.pipeline]);
                     pass.set_bind_group(0, &d.bind_group, &[]);
                     pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
@@ -590,12 +616,12 @@ mod imp {
 
         fn step(&mut self, p: &StepParams) -> Result<(), BackendError> {
             self.write_params(p)?;
-            self.run(0..usize::MAX)
+            self.run(&self.dispatches, 0..usize::MAX)
         }
 
         fn step_ops(&mut self, p: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
             self.write_params(p)?;
-            self.run(ops)
+            self.run(&self.single_ops, ops)
         }
 
         fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {

@@ -10,8 +10,9 @@ use crate::recorder::{BoundKind, Buf, Cond, Op, Program, RopePos, Step, WeightId
 /// Backend scratch areas that no recorded buffer covers, sized from the program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Scratch {
-    /// Q8_0 activation: packed quants, then the scales.
-    Q8,
+    /// The Q8_0 quantization of a buffer: packed quants, then the scales. One per quantized
+    /// buffer, so that a quantization stays valid until its buffer is written again.
+    Q8(Buf),
     /// Q8_K blocks of the routed experts' input.
     Q8KX,
     /// Q8_K blocks of the experts' mid vectors.
@@ -41,6 +42,9 @@ pub enum Res {
     Rope(u32),
     /// A 4-byte placeholder for a binding the op does not use (an optional input).
     Dummy,
+    /// A 4-byte placeholder for an optional output: read-write, so a separate buffer from
+    /// `Dummy` (wgpu refuses one buffer bound read-only and read-write in one dispatch).
+    DummyOut,
 }
 
 /// How a weight is stored on the device.
@@ -60,6 +64,8 @@ pub enum Layout {
 pub struct Dispatch {
     /// Index of the recorded op this dispatch belongs to.
     pub op: usize,
+    /// Later ops this dispatch computes too (fused into it), in program order.
+    pub fused: Vec<usize>,
     pub entry: &'static str,
     /// Workgroups; entries that read `num_workgroups` take more than 65535 as a 2D grid.
     pub groups: u32,
@@ -80,12 +86,27 @@ pub struct Plan {
 /// The shader file each entry point lives in.
 pub fn shader_of(entry: &str) -> Option<&'static str> {
     Some(match entry {
-        "quantize_q8_0" | "mat_vec_q8_0" | "mat_vec_f16" | "mat_vec_f32" | "mat_vec_q8_0_rows" | "mat_vec_f16_rows"
-        | "mat_vec_f32_rows" | "mat_vec_f16_split" | "mat_vec_f32_split" => "matvec",
-        "rms_norm" => "norm",
+        "quantize_q8_0"
+        | "mat_vec_q8_0"
+        | "mat_vec_q8_0_pair"
+        | "mat_vec_f16"
+        | "mat_vec_f32"
+        | "mat_vec_q8_0_rows"
+        | "mat_vec_f16_rows"
+        | "mat_vec_f32_rows"
+        | "mat_vec_f16_split"
+        | "mat_vec_f32_split"
+        | "mat_vec_f16_split_norm" => "matvec",
+        "rms_norm" | "kv_finish" => "norm",
         "swiglu" | "add" => "elementwise",
-        "rope_tail" => "rope",
-        "embed_hc" | "hc_split" | "hc_weighted_sum" | "hc_post" | "hc_head_weights" => "hc",
+        "rope_tail" | "rope_tail_q8" => "rope",
+        "embed_hc"
+        | "hc_split"
+        | "hc_split_weighted_sum"
+        | "hc_weighted_sum"
+        | "hc_post"
+        | "hc_post_add"
+        | "hc_head_weights" => "hc",
         "fp8_round_trip" | "indexer_qat" | "store_raw" | "store_comp_row" | "compressor_store" | "compressor_pool"
         | "compressor_shift" => "kv",
         "indexer_scores" | "indexer_top_k" => "indexer",
@@ -127,19 +148,29 @@ struct Builder<'a> {
     max_binding: u64,
     /// One invocation per matrix row (the `_rows` entry points) instead of 32 lanes per row.
     rows: bool,
+    /// Fuse runs of ops into one dispatch (a token's plan); without, each dispatch computes one
+    /// op and every Q8_0 matvec quantizes its own input (running single ops: `--isolate`).
+    fuse: bool,
+    /// Ops an earlier op's dispatches already computed.
+    done: Vec<bool>,
+    /// The ops the current op's dispatches absorbed so far.
+    absorbed: Vec<usize>,
     out: Vec<Dispatch>,
     need: Vec<(Scratch, u64)>,
     ropes: Vec<(RopeParams, u32)>,
     layouts: Vec<Option<Layout>>,
     cond: [u32; 3],
     op: usize,
-    /// The buffer whose Q8_0 quantization the scratch holds, and the predicate it ran under.
-    q8_of: Option<(Buf, [u32; 3])>,
+    /// Buffers whose Q8_0 scratch holds their quantization, and the predicate it ran under.
+    q8_of: Vec<(Buf, [u32; 3])>,
+    /// The buffer whose Q8_K quantization `Scratch::Q8KX` holds (written by its norm).
+    q8k_of: Option<(Buf, [u32; 3])>,
 }
 
 impl Builder<'_> {
     fn push(&mut self, entry: &'static str, groups: u32, args: Vec<u32>, binds: Vec<(u32, Res)>) {
-        self.out.push(Dispatch { op: self.op, entry, groups, cond: self.cond, args, binds });
+        let fused = self.absorbed.clone();
+        self.out.push(Dispatch { op: self.op, fused, entry, groups, cond: self.cond, args, binds });
     }
     fn need(&mut self, s: Scratch, bytes: u64) {
         match self.need.iter_mut().find(|(k, _)| *k == s) {
@@ -149,6 +180,233 @@ impl Builder<'_> {
     }
     fn len(&self, b: Buf) -> usize {
         self.program.buffer(b).len
+    }
+
+    /// The Q8_0 scratch of `x`, sized for it: quants, then scales, in whole 16-byte vectors
+    /// (mat_vec_q8_0 reads it as vec4<u32>).
+    fn q8_scratch(&mut self, x: Buf) -> Res {
+        let n = self.len(x) as u64;
+        self.need(Scratch::Q8(x), (n + n / 32 * 4).div_ceil(16) * 16);
+        Res::Scratch(Scratch::Q8(x))
+    }
+    /// Whether `x`'s Q8_0 scratch holds its quantization whenever the current op runs.
+    fn q8_fresh(&self, x: Buf) -> bool {
+        self.q8_of.iter().any(|&(q, c)| q == x && (c == [0; 3] || c == self.cond))
+    }
+    /// What the ops in `writes` write is no longer what was quantized.
+    fn q8_written(&mut self, writes: &[Buf]) {
+        self.q8_of.retain(|(q, _)| !writes.contains(q));
+        if self.q8k_of.is_some_and(|(q, _)| writes.contains(&q)) {
+            self.q8k_of = None;
+        }
+    }
+    /// Whether the next routed-experts op reads `buf`, under the current op's predicate, before
+    /// any op writes it: then the norm writing `buf` also writes its Q8_K quantization.
+    fn moe_reads_later(&self, buf: Buf) -> bool {
+        if !self.fuse || !self.len(buf).is_multiple_of(256) {
+            return false;
+        }
+        let steps = self.program.steps();
+        for (k, st) in steps.iter().enumerate().skip(self.op + 1) {
+            if self.done[k] {
+                continue;
+            }
+            if let Op::MoeExperts { x, .. } = st.op {
+                return x == buf && pack_cond(st.cond) == self.cond;
+            }
+            if st.op.writes().contains(&buf) {
+                return false;
+            }
+        }
+        false
+    }
+    /// Whether a later Q8_0 matvec reads `buf` before any op writes it: then the op writing
+    /// `buf` now also writes its quantization (norms, SwiGLU).
+    fn q8_read_later(&self, buf: Buf) -> bool {
+        if !self.fuse || !self.len(buf).is_multiple_of(32) {
+            return false;
+        }
+        let steps = self.program.steps();
+        for (k, st) in steps.iter().enumerate().skip(self.op + 1) {
+            if self.done[k] {
+                continue;
+            }
+            if let Op::MatVec { w, x, .. } | Op::MatVecGrouped { w, x, .. } = st.op {
+                if x == buf && self.program.weight(w).ty == GgmlType::Q8_0 {
+                    return true;
+                }
+            }
+            if st.op.writes().contains(&buf) {
+                return false;
+            }
+        }
+        false
+    }
+    /// Marks op `k` as computed by the current op's dispatches.
+    fn absorb(&mut self, k: usize) {
+        self.done[k] = true;
+        self.absorbed.push(k);
+        let writes = self.program.steps()[k].op.writes();
+        self.q8_written(&writes);
+    }
+    /// The next op after the current one that no dispatch computed yet, if it has the current
+    /// op's predicate.
+    fn next_op(&self) -> Option<(usize, &Op)> {
+        let steps = self.program.steps();
+        let k = (self.op + 1..steps.len()).find(|&k| !self.done[k])?;
+        (pack_cond(steps[k].cond) == self.cond).then_some((k, &steps[k].op))
+    }
+    /// Whether op `j` may run now, before the ops between: it has the current op's predicate,
+    /// and none of them writes what it reads or reads or writes what it writes.
+    fn can_run_early(&self, j: usize) -> bool {
+        let steps = self.program.steps();
+        if self.done[j] || pack_cond(steps[j].cond) != self.cond {
+            return false;
+        }
+        let (r, w) = (steps[j].op.reads(), steps[j].op.writes());
+        steps[self.op..j].iter().all(|st| {
+            let (r2, w2) = (st.op.reads(), st.op.writes());
+            !w2.iter().any(|b| r.contains(b) || w.contains(b)) && !r2.iter().any(|b| w.contains(b))
+        })
+    }
+    /// Whether ops `set` (later ops, ascending) may run now, in the current op's dispatch: they
+    /// have its predicate, and no op between that stays behind conflicts with one that moves
+    /// ahead of it.
+    fn can_join(&self, set: &[usize]) -> bool {
+        let steps = self.program.steps();
+        let conflict = |i: usize, j: usize| {
+            let (ri, wi, rj, wj) =
+                (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
+            wi.iter().any(|b| rj.contains(b) || wj.contains(b)) || ri.iter().any(|b| wj.contains(b))
+        };
+        let last = set.last().copied().unwrap_or(self.op);
+        set.iter().all(|&j| !self.done[j] && pack_cond(steps[j].cond) == self.cond)
+            && (self.op + 1..last)
+                .filter(|i| !self.done[*i] && !set.contains(i))
+                .all(|i| set.iter().filter(|&&j| j > i).all(|&j| !conflict(i, j)))
+    }
+
+    /// At the KV row's norm: the RoPE of its tail, its fp8 round trip and its store into the
+    /// raw ring that follow (other ops may come between: the query's RoPE) fuse into one
+    /// `kv_finish`. Returns whether it did.
+    fn try_kv_finish(&mut self, x: Buf, weight: Res, out: Buf, n: u32, eps: f32) -> bool {
+        let steps = self.program.steps();
+        let ahead: Vec<usize> = (self.op + 1..steps.len()).filter(|&k| !self.done[k]).take(6).collect();
+        let find = |f: &dyn Fn(&Op) -> bool| ahead.iter().copied().find(|&k| f(&steps[k].op));
+        let rope = find(&|op| {
+            matches!(*op, Op::RopeTail { x: rx, n_head: 1, head_dim, pos: RopePos::Current, inverse: false, .. }
+                if rx == out && head_dim == n)
+        });
+        let Some(j1) = rope else { return false };
+        let Op::RopeTail { n_rot, rope, .. } = steps[j1].op else { return false };
+        let fp8 = find(
+            &|op| matches!(*op, Op::Fp8RoundTrip { x: fx, head_dim, n_rot: r } if fx == out && head_dim == n && r == n_rot),
+        );
+        let store = find(&|op| matches!(*op, Op::StoreRaw { kv, row_dim, .. } if kv == out && row_dim == n));
+        let (Some(j2), Some(j3)) = (fp8, store) else { return false };
+        let Op::StoreRaw { cache, raw_cap, .. } = steps[j3].op else { return false };
+        let shape_ok = n <= 1024
+            && n_rot <= n
+            && n_rot.is_multiple_of(2)
+            && (n - n_rot).is_multiple_of(64)
+            && x != out
+            && cache != out;
+        if !(shape_ok && j1 < j2 && j2 < j3 && self.can_join(&[j1, j2, j3])) {
+            return false;
+        }
+        for j in [j1, j2, j3] {
+            self.absorb(j);
+        }
+        let table = self.rope_table(rope, n_rot);
+        let binds =
+            vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, weight), (6, Res::Rope(table)), (7, Res::Buf(cache))];
+        self.push("kv_finish", 1, vec![n, eps.to_bits(), n_rot, raw_cap], binds);
+        true
+    }
+
+    /// At a norm without weight whose output the next op multiplies by a split-K F16 matrix (the
+    /// HC mix projections): one `mat_vec_f16_split_norm` does both. Returns whether it did.
+    fn try_norm_mat_vec(&mut self, x: Buf, out: Buf, n: u32, eps: f32) -> Result<bool, String> {
+        let Some((j, &Op::MatVec { w, x: mx, out: mix })) = self.next_op() else { return Ok(false) };
+        let t = self.program.weight(w);
+        let (in_dim, rows) = (t.dim(0), t.dim(1));
+        let one_range = rows * t.ty.row_bytes(in_dim as usize) as u64 <= self.max_binding.saturating_sub(16);
+        let fits = t.ty == GgmlType::F16 && in_dim == n as u64 && n.is_multiple_of(2) && split_k(rows as u32, in_dim);
+        if self.rows || mx != out || mix == x || mix == out || x == out || !fits || !one_range {
+            return Ok(false);
+        }
+        self.absorb(j);
+        self.layout(w, Layout::Rows(vec![(0, rows as u32)]))?;
+        // The split-K pair's bindings, unread here.
+        let binds = vec![
+            (2, Res::Weight(w, 0)),
+            (3, Res::Buf(x)),
+            (4, Res::Buf(mix)),
+            (7, Res::Buf(mix)),
+            (8, Res::Buf(out)),
+            (9, Res::Weight(w, 0)),
+        ];
+        self.push("mat_vec_f16_split_norm", rows as u32, vec![n, rows as u32, rows as u32, 0, eps.to_bits()], binds);
+        Ok(true)
+    }
+
+    /// The RoPE at the current position of `rows` heads of `n` (the whole buffer `out`), if it is
+    /// the next op to touch `out` and may run now: (op, its setting, n_rot).
+    fn rope_after_norm(&self, out: Buf, n: u32, rows: u32) -> Option<(usize, RopeParams, u32)> {
+        if !self.fuse || self.len(out) != (n * rows) as usize || !n.is_multiple_of(2) {
+            return None;
+        }
+        let steps = self.program.steps();
+        let j = (self.op + 1..steps.len())
+            .filter(|&k| !self.done[k])
+            .take(6)
+            .find(|&k| steps[k].op.reads().contains(&out) || steps[k].op.writes().contains(&out))?;
+        match steps[j].op {
+            Op::RopeTail { x, n_head, head_dim, n_rot, rope, pos: RopePos::Current, inverse: false }
+                if x == out
+                    && n_head == rows
+                    && head_dim == n
+                    && n_rot <= n
+                    && n_rot.is_multiple_of(2)
+                    && self.can_join(&[j]) =>
+            {
+                Some((j, rope, n_rot))
+            }
+            _ => None,
+        }
+    }
+
+    /// The table index of a RoPE setting, added on first use.
+    fn rope_table(&mut self, rope: RopeParams, n_rot: u32) -> u32 {
+        match self.ropes.iter().position(|r| *r == (rope, n_rot)) {
+            Some(i) => i as u32,
+            None => {
+                self.ropes.push((rope, n_rot));
+                self.ropes.len() as u32 - 1
+            }
+        }
+    }
+
+    /// A later ungrouped matvec of the same input, weight type and width, in one binding, that
+    /// may run in the current op's dispatch (two matrices, one dispatch); F16 ones only where
+    /// both run split-K. Looks a few ops ahead.
+    fn partner(&self, x: Buf, ty: GgmlType, in_dim: u64) -> Option<(usize, WeightId, Buf)> {
+        if !self.fuse || self.rows {
+            return None;
+        }
+        let steps = self.program.steps();
+        for (j, st) in steps.iter().enumerate().take(self.op + 8).skip(self.op + 1) {
+            if let Op::MatVec { w, x: x2, out } = st.op {
+                let t = self.program.weight(w);
+                let one_range =
+                    t.dim(1) * (t.ty.row_bytes(in_dim as usize) as u64) <= self.max_binding.saturating_sub(16);
+                let shape = ty == GgmlType::Q8_0 || split_k(t.dim(1) as u32, in_dim);
+                if x2 == x && t.ty == ty && t.dim(0) == in_dim && shape && one_range && self.can_run_early(j) {
+                    return Some((j, w, out));
+                }
+            }
+        }
+        None
     }
     fn layout(&mut self, w: WeightId, l: Layout) -> Result<(), String> {
         let slot = &mut self.layouts[w.0 as usize];
@@ -200,18 +458,17 @@ impl Builder<'_> {
                 if in_dim % 32 != 0 {
                     return Err(format!("Q8_0 rows of {in_dim} are not whole blocks"));
                 }
-                // Consecutive matvecs of one input (q_a and kv, the shared expert's gate and up)
-                // quantize it once, if nothing wrote it since and the quantization ran whenever
-                // this op runs.
-                let fresh = matches!(self.q8_of, Some((q, c)) if q == x && (c == [0; 3] || c == self.cond));
-                if !fresh {
+                // Matvecs of one input (q_a and kv, the shared expert's gate and up) quantize it
+                // once, if nothing wrote it since and the quantization ran whenever this op runs
+                // (a norm or SwiGLU may have written it with its output).
+                let q8 = self.q8_scratch(x);
+                if !self.q8_fresh(x) {
                     let n = self.len(x) as u64;
-                    let d_off = (n / 4) as u32;
-                    // Whole 16-byte vectors: mat_vec_q8_0 reads the scratch as vec4<u32>.
-                    self.need(Scratch::Q8, (n + n / 32 * 4).div_ceil(16) * 16);
-                    let binds = vec![(3, Res::Buf(x)), (5, Res::Scratch(Scratch::Q8))];
-                    self.push("quantize_q8_0", groups(n as usize / 32, 8), vec![n as u32, d_off], binds);
-                    self.q8_of = Some((x, self.cond));
+                    let binds = vec![(3, Res::Buf(x)), (5, q8)];
+                    self.push("quantize_q8_0", groups(n as usize / 32, 8), vec![n as u32, (n / 4) as u32], binds);
+                    if self.fuse {
+                        self.q8_of.push((x, self.cond));
+                    }
                 }
                 "mat_vec_q8_0"
             }
@@ -220,12 +477,34 @@ impl Builder<'_> {
             other => return Err(format!("tensor '{}' of type {other:?} is not a dense matrix here", t.name)),
         };
         let n = self.len(x) as u32;
+        // A second ungrouped Q8_0 matrix of this input shares the dispatch.
+        if entry == "mat_vec_q8_0" && groups_n == 1 && ranges.len() == 1 {
+            if let Some((j, w2, out2)) = self.partner(x, GgmlType::Q8_0, in_dim) {
+                let rows2 = self.program.weight(w2).dim(1) as u32;
+                self.layout(w2, Layout::Rows(vec![(0, rows2)]))?;
+                self.absorb(j);
+                let rows = rows as u32;
+                let nb = in_dim as u32 / 32;
+                let args = vec![in_dim as u32, rows, n / 4, rows * nb * 8, rows2, rows2 * nb * 8];
+                let binds = vec![
+                    (2, Res::Weight(w, 0)),
+                    (4, Res::Buf(out)),
+                    (5, Res::Scratch(Scratch::Q8(x))),
+                    (6, Res::Weight(w2, 0)),
+                    (7, Res::Buf(out2)),
+                ];
+                self.push("mat_vec_q8_0_pair", groups((rows + rows2) as usize, 8), args, binds);
+                return Ok(());
+            }
+        }
         for (k, &(row0, rows)) in ranges.iter().enumerate() {
             let mut args = vec![in_dim as u32, rows, rows_per_group, row0];
             let mut binds = vec![(2, Res::Weight(w, k as u32)), (3, Res::Buf(x)), (4, Res::Buf(out))];
             if entry == "mat_vec_q8_0" {
                 args.extend([n / 4, rows * (in_dim as u32 / 32) * 8]);
-                binds.push((5, Res::Scratch(Scratch::Q8)));
+                binds.push((5, Res::Scratch(Scratch::Q8(x))));
+                // The pair entry's second matrix and output, unused here (the shader names them).
+                binds.extend([(6, Res::Weight(w, k as u32)), (7, Res::Buf(out))]);
             }
             if self.rows {
                 let entry = match entry {
@@ -235,8 +514,26 @@ impl Builder<'_> {
                 };
                 self.push(entry, groups(rows as usize, 64), args, binds);
             } else if entry != "mat_vec_q8_0" && split_k(rows, in_dim) {
+                // A second F16 matrix of this input (the compressor's kv and score) shares the
+                // dispatch: its rows on workgroups rows .. rows + rows2.
+                let pair = match entry == "mat_vec_f16" && groups_n == 1 && ranges.len() == 1 {
+                    true => self.partner(x, GgmlType::F16, in_dim),
+                    false => None,
+                };
+                let (w2, out2, rows2) = match pair {
+                    Some((j, w2, out2)) => {
+                        let rows2 = self.program.weight(w2).dim(1) as u32;
+                        self.layout(w2, Layout::Rows(vec![(0, rows2)]))?;
+                        self.absorb(j);
+                        (w2, out2, rows2)
+                    }
+                    None => (w, out, 0),
+                };
+                args.extend([0, rows2]);
+                // Without a partner, the second matrix's bindings repeat the first's (unread).
+                binds.extend([(7, Res::Buf(out2)), (9, Res::Weight(w2, k as u32))]);
                 let entry = if entry == "mat_vec_f16" { "mat_vec_f16_split" } else { "mat_vec_f32_split" };
-                self.push(entry, rows, args, binds);
+                self.push(entry, rows + rows2, args, binds);
             } else {
                 self.push(entry, groups(rows as usize, 8), args, binds);
             }
@@ -271,12 +568,48 @@ impl Builder<'_> {
                 if n as usize > 64 * crate::numerics::CHUNK {
                     return Err(format!("RMS norm rows of {n} exceed the shader's 64 chunks"));
                 }
+                if self.fuse && rows == 1 && weight.is_some() && self.try_kv_finish(x, wv, out, n, eps) {
+                    return Ok(());
+                }
+                if self.fuse && rows == 1 && weight.is_none() && self.try_norm_mat_vec(x, out, n, eps)? {
+                    return Ok(());
+                }
                 // Long rows are written by several workgroups, each summing the whole row
                 // (the same bits in each); in place, one workgroup must read before it writes.
                 let per = if x == out { n.max(1) } else { NORM_SLICE };
                 let slices = n.div_ceil(per).max(1);
-                let binds = vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, wv)];
-                let args = vec![n, eps.to_bits(), weight.is_some() as u32, slices, per, rows * slices];
+                // One row read by Q8_0 matvecs: the norm writes its quantization too.
+                // Heads whose RoPE comes next (the query's): the norm rotates them too.
+                let rope = self.rope_after_norm(out, n, rows);
+                let (rope_args, table) = match rope {
+                    Some((j, params, n_rot)) => {
+                        self.absorb(j);
+                        ([1, n_rot], Res::Rope(self.rope_table(params, n_rot)))
+                    }
+                    None => ([0, 0], Res::Dummy),
+                };
+                let q8 = rows == 1 && self.q8_read_later(out);
+                let xq = if q8 { self.q8_scratch(out) } else { Res::DummyOut };
+                // One row the routed experts read: the norm writes its Q8_K blocks too.
+                let q8k = rows == 1 && per.is_multiple_of(256) && self.moe_reads_later(out);
+                let xk = match q8k {
+                    true => {
+                        self.need(Scratch::Q8KX, n as u64 / 256 * 81 * 4);
+                        Res::Scratch(Scratch::Q8KX)
+                    }
+                    false => Res::DummyOut,
+                };
+                let binds = vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, wv), (5, xq), (6, table), (9, xk)];
+                let flags = [q8 as u32, q8k as u32, rope_args[0], rope_args[1]];
+                let args =
+                    [vec![n, eps.to_bits(), weight.is_some() as u32, slices, per, rows * slices], flags.to_vec()];
+                let args = args.concat();
+                if q8 {
+                    self.q8_of.push((out, self.cond));
+                }
+                if q8k {
+                    self.q8k_of = Some((out, self.cond));
+                }
                 self.push("rms_norm", rows * slices, args, binds);
             }
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
@@ -286,6 +619,27 @@ impl Builder<'_> {
                     return Err(format!("the HC shader takes 1 to 8 streams, not {n_hc}"));
                 }
                 let (s, b) = (self.vector(scale)?, self.vector(base)?);
+                // The weighted sum of the streams by the pre weights right after: each of its
+                // workgroups runs the (tiny) Sinkhorn itself, one dispatch instead of two.
+                if let Some((j, &Op::HcWeightedSum { hc, weights, out, n_hc: n2 })) = self.next_op() {
+                    let bufs = [mix, split, hc, out];
+                    let distinct = (0..4).all(|i| (i + 1..4).all(|k| bufs[i] != bufs[k]));
+                    if self.fuse && weights == split && n2 == n_hc && distinct {
+                        self.absorb(j);
+                        let n = self.len(out);
+                        let binds = vec![
+                            (2, Res::Buf(mix)),
+                            (3, Res::Buf(hc)),
+                            (4, Res::Buf(out)),
+                            (5, Res::Buf(split)),
+                            (6, s),
+                            (7, b),
+                        ];
+                        let args = vec![n_hc, iters, eps.to_bits(), n as u32];
+                        self.push("hc_split_weighted_sum", groups(n, 256), args, binds);
+                        return Ok(());
+                    }
+                }
                 let binds = vec![(2, Res::Buf(mix)), (5, Res::Buf(split)), (6, s), (7, b)];
                 self.push("hc_split", 1, vec![n_hc, iters, eps.to_bits()], binds);
             }
@@ -314,15 +668,24 @@ impl Builder<'_> {
                     RopePos::Current => (0, 0),
                     RopePos::CompressedRow { ratio } => (1, ratio),
                 };
-                let table = match self.ropes.iter().position(|r| *r == (rope, n_rot)) {
-                    Some(i) => i,
-                    None => {
-                        self.ropes.push((rope, n_rot));
-                        self.ropes.len() - 1
-                    }
-                };
-                let args = vec![n_head, head_dim, n_rot, pos_mode, ratio, inverse as u32];
-                let binds = vec![(2, Res::Buf(x)), (3, Res::Rope(table as u32))];
+                let table = self.rope_table(rope, n_rot);
+                let mut args = vec![n_head, head_dim, n_rot, pos_mode, ratio, inverse as u32];
+                // Rows read next by a Q8_0 matvec (the attention output before wo_a): one dispatch
+                // rotates and quantizes.
+                let n = self.len(x) as u32;
+                let whole = n == n_head * head_dim
+                    && head_dim.is_multiple_of(2)
+                    && n_rot.is_multiple_of(2)
+                    && n_rot <= head_dim;
+                if whole && self.q8_read_later(x) {
+                    let xq = self.q8_scratch(x);
+                    args.push(n);
+                    let binds = vec![(2, Res::Buf(x)), (3, Res::Rope(table)), (4, xq)];
+                    self.push("rope_tail_q8", groups(n as usize, 256), args, binds);
+                    self.q8_of.push((x, self.cond));
+                    return Ok(());
+                }
+                let binds = vec![(2, Res::Buf(x)), (3, Res::Rope(table))];
                 self.push("rope_tail", groups((n_head * n_rot / 2) as usize, 128), args, binds);
             }
             Op::Fp8RoundTrip { x, head_dim, n_rot } => {
@@ -445,8 +808,12 @@ impl Builder<'_> {
                 self.need(Scratch::Q8KMid, nb_mid * 81 * 4);
                 self.need(Scratch::Mid, n_used * ff * 4);
                 self.need(Scratch::Partial, n_used * out_dim * 4);
-                let binds = vec![(5, Res::Scratch(Scratch::Q8KX)), (10, Res::Buf(x))];
-                self.push("quantize_q8_k", nbx as u32, vec![nbx as u32], binds);
+                // The input's Q8_K blocks, unless its norm wrote them under this op's predicate.
+                if !matches!(self.q8k_of, Some((q, c)) if q == x && (c == [0; 3] || c == self.cond)) {
+                    let binds = vec![(5, Res::Scratch(Scratch::Q8KX)), (10, Res::Buf(x))];
+                    self.push("quantize_q8_k", nbx as u32, vec![nbx as u32], binds);
+                    self.q8k_of = None;
+                }
                 let q8k = [(5, Res::Scratch(Scratch::Q8KX)), (6, Res::Scratch(Scratch::Q8KMid)), (7, Res::Grid)];
                 // The arguments of the gate/up and down dispatches over experts e0 .. e0 + n.
                 // Lanes per expert row: 32, or fewer for rows of fewer than 32 blocks (Flash: 16
@@ -518,11 +885,35 @@ impl Builder<'_> {
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
-                let binds = vec![(2, Res::Buf(gate)), (3, Res::Buf(up)), (4, Res::Buf(out))];
-                self.push("swiglu", groups(n, 256), vec![n as u32, clamp.to_bits()], binds);
+                // Read by Q8_0 matvecs (the shared expert's down): SwiGLU writes the quantization.
+                let q8 = self.q8_read_later(out);
+                let xq = if q8 { self.q8_scratch(out) } else { Res::DummyOut };
+                let binds = vec![(2, Res::Buf(gate)), (3, Res::Buf(up)), (4, Res::Buf(out)), (5, xq)];
+                self.push("swiglu", groups(n, 256), vec![n as u32, clamp.to_bits(), q8 as u32], binds);
+                if q8 {
+                    self.q8_of.push((out, self.cond));
+                }
             }
             Op::Add { a, b, out } => {
                 let n = self.len(out);
+                // An HcPost of the sum right after: one dispatch adds and mixes.
+                if let Some((j, &Op::HcPost { block, residual, split, out: post_out, n_hc })) = self.next_op() {
+                    let bufs = [a, b, out, residual, split, post_out];
+                    let distinct = (0..6).all(|i| (i + 1..6).all(|k| bufs[i] != bufs[k]));
+                    if self.fuse && block == out && distinct {
+                        self.absorb(j);
+                        let binds = vec![
+                            (2, Res::Buf(a)),
+                            (3, Res::Buf(residual)),
+                            (4, Res::Buf(split)),
+                            (5, Res::Buf(post_out)),
+                            (9, Res::Buf(b)),
+                            (10, Res::Buf(out)),
+                        ];
+                        self.push("hc_post_add", groups(n * n_hc as usize, 256), vec![n as u32, n_hc], binds);
+                        return Ok(());
+                    }
+                }
                 let binds = vec![(2, Res::Buf(a)), (3, Res::Buf(b)), (4, Res::Buf(out))];
                 self.push("add", groups(n, 256), vec![n as u32], binds);
             }
@@ -539,8 +930,9 @@ fn comp_ratio(b: BoundKind) -> Result<u32, String> {
 }
 
 /// Plans every op of `program`, in order. Weights larger than `max_binding` bytes are split;
-/// `rows` picks the one-invocation-per-row matvecs.
-pub fn plan(program: &Program, max_binding: u64, rows: bool) -> Result<Plan, String> {
+/// `rows` picks the one-invocation-per-row matvecs. With `fuse`, runs of ops share dispatches
+/// (the plan a token uses); without, every dispatch computes one op (for running single ops).
+pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Result<Plan, String> {
     if program.rows() > 1 {
         return Err(format!("{} (a chunk program of {} rows)", crate::backend::NO_CHUNK_PROGRAMS, program.rows()));
     }
@@ -548,21 +940,34 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool) -> Result<Plan, Str
         program,
         max_binding,
         rows,
+        fuse,
+        done: vec![false; program.steps().len()],
+        absorbed: Vec::new(),
         out: Vec::new(),
         need: Vec::new(),
         ropes: Vec::new(),
         layouts: vec![None; program.weights().len()],
         cond: [0; 3],
         op: 0,
-        q8_of: None,
+        q8_of: Vec::new(),
+        q8k_of: None,
     };
-    for (i, step) in program.steps().iter().enumerate() {
-        b.op = i;
-        b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
-        // What an op writes is no longer what was quantized.
-        if b.q8_of.is_some_and(|(q, _)| step.op.writes().contains(&q)) {
-            b.q8_of = None;
+    // RoPE tables in program order, whatever the fusion: both plans index the same tables.
+    for step in program.steps() {
+        if let Op::RopeTail { rope, n_rot, .. } = step.op {
+            b.rope_table(rope, n_rot);
         }
+    }
+    for (i, step) in program.steps().iter().enumerate() {
+        if b.done[i] {
+            continue;
+        }
+        b.op = i;
+        b.absorbed.clear();
+        // What an op writes is no longer what was quantized (its own output's quantization,
+        // which a norm or SwiGLU writes, is added back by the op).
+        b.q8_written(&step.op.writes());
+        b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
     }
     for d in &b.out {
         if d.args.len() > 28 {
@@ -570,4 +975,206 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool) -> Result<Plan, Str
         }
     }
     Ok(Plan { dispatches: b.out, scratch: b.need, ropes: b.ropes, layouts: b.layouts })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::{record_token, Caps};
+    use crate::gguf::File;
+    use crate::model::Model;
+    use crate::synth::{self, Preset};
+
+    fn programs() -> Vec<(&'static str, Program)> {
+        let tiny = Model::from_file(File::from_bytes("t", synth::build(&Preset::tiny(), 1)).unwrap()).unwrap();
+        let small = Model::from_file(File::from_bytes("t", synth::build(&Preset::small(), 1)).unwrap()).unwrap();
+        let flash = synth::device_model(&Preset::flash_4l(), 1).unwrap();
+        [("tiny", tiny), ("small", small), ("flash-4l", flash)]
+            .into_iter()
+            .map(|(name, m)| (name, record_token(&m, Caps { ctx: 256 }).unwrap()))
+            .collect()
+    }
+
+    /// The shapes a token's plan comes in: (max binding, one invocation per row).
+    const SHAPES: [(u64, bool); 3] = [(1 << 31, false), (1 << 31, true), (64 << 10, false)];
+
+    /// Every recorded op is computed by exactly one group of consecutive dispatches; without
+    /// fusion each dispatch computes one op; a fused dispatch's ops share its predicate.
+    #[test]
+    fn every_op_is_computed_exactly_once() {
+        for (name, program) in programs() {
+            for (max_binding, rows) in SHAPES {
+                // Only the tiny model's experts fit the small bindings that split its weights.
+                if name != "tiny" && max_binding < 1 << 31 {
+                    continue;
+                }
+                for fuse in [false, true] {
+                    let plan = plan(&program, max_binding, rows, fuse).unwrap();
+                    let mut seen = vec![0; program.steps().len()];
+                    for (i, d) in plan.dispatches.iter().enumerate() {
+                        assert!(fuse || d.fused.is_empty(), "{name}: {} fused without fusion", d.entry);
+                        let first_of_group = i == 0 || {
+                            let p = &plan.dispatches[i - 1];
+                            (p.op, &p.fused) != (d.op, &d.fused)
+                        };
+                        for &k in std::iter::once(&d.op).chain(&d.fused) {
+                            assert_eq!(d.cond, pack_cond(program.steps()[k].cond), "{name}: {} op {k}", d.entry);
+                            if first_of_group {
+                                seen[k] += 1;
+                            }
+                        }
+                    }
+                    assert!(seen.iter().all(|&s| s == 1), "{name} (fuse {fuse}): {seen:?}");
+                }
+            }
+        }
+    }
+
+    /// The fused plan runs the ops in an order the program's data allows: an op that moved
+    /// earlier (a second matrix in a matvec dispatch) never passes an op it depends on, or one
+    /// that reads what it overwrites.
+    #[test]
+    fn fused_order_respects_every_dependency() {
+        let mut moved = 0;
+        for (name, program) in programs() {
+            let steps = program.steps();
+            let plan = plan(&program, 1 << 31, false, true).unwrap();
+            // The dispatch position at which each op runs.
+            let mut at = vec![usize::MAX; steps.len()];
+            for (i, d) in plan.dispatches.iter().enumerate() {
+                for &k in std::iter::once(&d.op).chain(&d.fused) {
+                    at[k] = at[k].min(i);
+                }
+            }
+            let conflict = |i: usize, j: usize| {
+                let (ri, wi, rj, wj) =
+                    (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
+                wi.iter().any(|b| rj.contains(b) || wj.contains(b)) || ri.iter().any(|b| wj.contains(b))
+            };
+            for j in 0..steps.len() {
+                for i in 0..j {
+                    if at[i] > at[j] {
+                        moved += 1;
+                        assert!(!conflict(i, j), "{name}: op {j} runs before op {i}, which it depends on");
+                    }
+                }
+            }
+        }
+        assert!(moved > 0, "some op moved earlier");
+    }
+
+    /// Every Q8_0 matvec reads a Q8_0 scratch that holds its own input's quantization: written
+    /// (by a quantize_q8_0, or a norm or SwiGLU that quantizes its output) under no predicate or
+    /// the matvec's, and no op has written that buffer since.
+    #[test]
+    fn every_q8_0_matvec_reads_the_quantization_of_its_input() {
+        for (name, program) in programs() {
+            let steps = program.steps();
+            for (max_binding, rows) in SHAPES {
+                // Only the tiny model's experts fit the small bindings that split its weights.
+                if name != "tiny" && max_binding < 1 << 31 {
+                    continue;
+                }
+                for fuse in [false, true] {
+                    let plan = plan(&program, max_binding, rows, fuse).unwrap();
+                    let bind = |d: &Dispatch, k: u32| d.binds.iter().find(|b| b.0 == k).map(|b| b.1);
+                    // (quantized buffer, predicate it was quantized under)
+                    let mut held: Vec<(Buf, [u32; 3])> = Vec::new();
+                    // The buffer whose Q8_K blocks the experts' input scratch holds.
+                    let mut held_k: Option<(Buf, [u32; 3])> = None;
+                    let (mut checked, mut in_place) = (0, 0);
+                    for d in &plan.dispatches {
+                        let ops: Vec<usize> = std::iter::once(d.op).chain(d.fused.iter().copied()).collect();
+                        // Before the dispatch's own quantization: what its ops write is stale.
+                        for &k in &ops {
+                            let w = steps[k].op.writes();
+                            held.retain(|(b, _)| !w.contains(b));
+                            held_k = held_k.filter(|(b, _)| !w.contains(b));
+                        }
+                        let xk = Some(Res::Scratch(Scratch::Q8KX));
+                        match d.entry {
+                            "quantize_q8_k" if bind(d, 5) == xk => match bind(d, 10) {
+                                Some(Res::Buf(b)) => held_k = Some((b, d.cond)),
+                                other => panic!("{name}: quantize_q8_k of {other:?}"),
+                            },
+                            "rms_norm" if bind(d, 9) == xk => match bind(d, 3) {
+                                Some(Res::Buf(b)) if d.args[7] == 1 => held_k = Some((b, d.cond)),
+                                other => panic!("{name}: rms_norm writes Q8_K of {other:?}"),
+                            },
+                            "moe_gate_up" | "moe_gate_up_rows" => {
+                                let Op::MoeExperts { x, .. } = steps[d.op].op else { panic!("{name}: op {}", d.op) };
+                                let fresh = held_k.is_some_and(|(b, c)| b == x && (c == [0; 3] || c == d.cond));
+                                assert!(fresh, "{name} (fuse {fuse}): op {} reads stale Q8_K blocks", d.op);
+                            }
+                            _ => {}
+                        }
+                        let quantized = match (d.entry, bind(d, 5)) {
+                            ("quantize_q8_0", Some(Res::Scratch(Scratch::Q8(b)))) => Some((b, 3)),
+                            ("rms_norm", Some(Res::Scratch(Scratch::Q8(b)))) if d.args[6] == 1 => Some((b, 3)),
+                            ("swiglu", Some(Res::Scratch(Scratch::Q8(b)))) if d.args[2] == 1 => Some((b, 4)),
+                            ("rope_tail_q8", _) => match bind(d, 4) {
+                                Some(Res::Scratch(Scratch::Q8(b))) => Some((b, 2)),
+                                other => panic!("{name}: rope_tail_q8 into {other:?}"),
+                            },
+                            _ => None,
+                        };
+                        if let Some((b, k)) = quantized {
+                            assert_eq!(bind(d, k), Some(Res::Buf(b)), "{name}: {} quantizes another buffer", d.entry);
+                            in_place += (d.entry != "quantize_q8_0") as usize;
+                            held.push((b, d.cond));
+                        }
+                        if d.entry.starts_with("mat_vec_q8_0") {
+                            let x = match steps[d.op].op {
+                                Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
+                                ref op => panic!("{name}: {op:?} in a Q8_0 matvec"),
+                            };
+                            for &k in &d.fused {
+                                assert!(matches!(steps[k].op, Op::MatVec { x: x2, .. } if x2 == x), "{name}: op {k}");
+                            }
+                            assert_eq!(bind(d, 5), Some(Res::Scratch(Scratch::Q8(x))), "{name}: op {}", d.op);
+                            let fresh = held.iter().any(|&(b, c)| b == x && (c == [0; 3] || c == d.cond));
+                            assert!(fresh, "{name} (fuse {fuse}): op {} reads a stale quantization", d.op);
+                            checked += 1;
+                        }
+                    }
+                    assert!(checked > 10, "{name}: {checked} Q8_0 matvecs");
+                    assert!(!fuse || in_place > 3, "{name}: {in_place} norms or SwiGLUs quantize");
+                }
+            }
+        }
+    }
+
+    /// Dispatches per flash-4l token (the number the H200's per-dispatch cost multiplies): the
+    /// fused kernels appear and the count stays at or under what fusion reached (220 before it, 143 after).
+    #[test]
+    fn flash_4l_dispatches_per_token() {
+        let model = synth::device_model(&Preset::flash_4l(), 1).unwrap();
+        let program = record_token(&model, Caps { ctx: 4096 }).unwrap();
+        let (fused, single) =
+            (plan(&program, 1 << 31, false, true).unwrap(), plan(&program, 1 << 31, false, false).unwrap());
+        let mut by: std::collections::BTreeMap<&str, usize> = Default::default();
+        for d in &fused.dispatches {
+            *by.entry(d.entry).or_default() += 1;
+        }
+        println!("{by:?}");
+        println!(
+            "flash-4l: {} dispatches per token fused, {} one op each",
+            fused.dispatches.len(),
+            single.dispatches.len()
+        );
+        assert_eq!(by.get("hc_split"), None);
+        assert_eq!(by.get("add"), None);
+        assert_eq!(by["mat_vec_q8_0_pair"], 8);
+        assert_eq!(by["kv_finish"], 4);
+        assert_eq!(by["mat_vec_f16_split_norm"], 9);
+        // Only the experts' mid vectors are quantized to Q8_K on their own.
+        assert_eq!(by["quantize_q8_k"], 4);
+        assert_eq!(by["rope_tail_q8"], 4);
+        // Left on their own: the compressed rows' and the indexer query's.
+        assert_eq!(by["rope_tail"], 4);
+        // The compressors' kv and score projections, one dispatch each pair.
+        assert_eq!(by["mat_vec_f16_split"], 4 + 1 + 3);
+        assert_eq!(by.get("store_raw"), None);
+        assert!(fused.dispatches.len() <= 143, "{} dispatches", fused.dispatches.len());
+    }
 }
