@@ -205,15 +205,21 @@ pub fn create(kind: BackendKind, opts: BackendOptions) -> Result<Box<dyn Backend
     }
 }
 
-/// Sums (name, time) pairs per name, slowest first.
+/// Sums (name, time) pairs per name, slowest first; a name timed more than once gets its count
+/// and the time of one (`router_select x4, 12.5 each`).
 pub fn summarize_profile(items: impl IntoIterator<Item = (String, f64)>) -> Vec<(String, f64)> {
-    let mut out: Vec<(String, f64)> = Vec::new();
+    let mut out: Vec<(String, f64, usize)> = Vec::new();
     for (name, t) in items {
-        match out.iter_mut().find(|(n, _)| *n == name) {
-            Some((_, total)) => *total += t,
-            None => out.push((name, t)),
+        match out.iter_mut().find(|(n, _, _)| *n == name) {
+            Some((_, total, count)) => {
+                *total += t;
+                *count += 1;
+            }
+            None => out.push((name, t, 1)),
         }
     }
     out.sort_by(|a, b| b.1.total_cmp(&a.1));
-    out
+    out.into_iter()
+        .map(|(name, t, n)| if n > 1 { (format!("{name} x{n}, {:.1} each", t / n as f64), t) } else { (name, t) })
+        .collect()
 }

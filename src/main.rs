@@ -1053,7 +1053,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
         out!("profile    one token, eager, {:.1} us in total:", total);
         for (name, t) in prof.iter().take(12) {
-            out!("  {name:20} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
+            out!("  {name:36} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
         }
     }
     Ok(())
