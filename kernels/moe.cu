@@ -2,8 +2,9 @@
 // re-quantized before the down projection, as ds4's CPU path does. Expert weights are
 // IQ2_XXS (16), Q2_K (10) or Q4_K (12), per tensor.
 
-// One block of 256 threads: p = sqrt(softplus(logit)); experts from the hash table (by token) or
-// the top n_used of p + bias (ties to the lower expert); weights p[sel] / sum * scale.
+// One block of 256 threads computes p = sqrt(softplus(logit)); then warp 0 takes the experts
+// from the hash table (by token) or the top n_used of p + bias (ties to the lower expert);
+// weights p[sel] / sum * scale.
 extern "C" __global__ void router_select(DS4_ARGS, const RouterSelectArgs a) {
     DS4_GUARD;
     const float* logits = a.logits;
@@ -19,48 +20,33 @@ extern "C" __global__ void router_select(DS4_ARGS, const RouterSelectArgs a) {
     }
     __syncthreads();
     __shared__ int sel[16];
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    const u32 t = threadIdx.x, lane = t & 31;
+    // Warp 0 alone selects: no block barrier per round.
+    if (t >= 32) return;
     if (a.hash) {
         // A token past the table (refused on the host) or an id past the experts reads nothing.
         const u32 token = min(P->token, a.n_vocab - 1);
         if (t < n_used) sel[t] = min(max(a.hash[(u64)token * n_used + t], 0), (int)n_expert - 1);
     } else {
-        // n_used rounds of a block argmax (largest value, lower expert on ties): the order in
-        // which the CPU's insertion keeps them.
+        // n_used rounds of a warp argmax (largest value, lower expert on ties): the order in
+        // which the CPU's insertion keeps them. Lane l holds experts l, l + 32, ... (bit j of
+        // `taken`: expert l + 32 j is chosen).
+        u32 taken = 0;
         for (u32 k = 0; k < n_used; k++) {
             float v = -__int_as_float(0x7f800000);
             int idx = 0x7fffffff;
-            for (u32 i = t; i < n_expert; i += blockDim.x) {
-                bool taken = false;
-                for (u32 j = 0; j < k; j++) taken |= sel[j] == (int)i;
-                if (!taken && (choice[i] > v || idx == 0x7fffffff)) {
+            for (u32 j = 0, i = lane; i < n_expert; j++, i += 32) {
+                if (!((taken >> j) & 1) && (choice[i] > v || idx == 0x7fffffff)) {
                     v = choice[i];
                     idx = (int)i;
                 }
             }
             warp_argmax(&v, &idx);
-            if (lane == 0) {
-                best_v[warp] = v;
-                best_i[warp] = idx;
-            }
-            __syncthreads();
-            if (t == 0) {
-                float bv = best_v[0];
-                int bi = best_i[0];
-                for (u32 w = 1; w < nw; w++) {
-                    if (best_i[w] != 0x7fffffff && (bi == 0x7fffffff || best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi))) {
-                        bv = best_v[w];
-                        bi = best_i[w];
-                    }
-                }
-                sel[k] = bi;
-            }
-            __syncthreads();
+            if ((u32)idx % 32 == lane) taken |= 1u << ((u32)idx / 32);
+            if (lane == 0) sel[k] = idx;
         }
     }
-    __syncthreads();
+    __syncwarp();
     if (t != 0) return;
     float sum = 0.0f;
     for (u32 k = 0; k < n_used; k++) sum += probs[sel[k]];
