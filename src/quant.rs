@@ -1048,65 +1048,98 @@ fn idot_portable(a: &[i16], b: &[i16]) -> i32 {
     acc.iter().sum::<i32>() + ra.iter().zip(rb).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum::<i32>()
 }
 
-/// F16 weight rows converted to f32 once, dotted with the f32 activations of many rows:
-/// `out[t] = row · xs[t]` with the bits of [`dot_f16_f32`] (sequential from 0) or
-/// [`dot_f16_f32_canonical`] (the canonical lanes): `f16 → f32` is exact, and each row's terms
-/// and order are the same. Rows are interleaved four at a time (independent sums).
-pub fn dot_f16_rows(w: &[f32], xs: &[&[f32]], out: &mut [f32], canonical: bool) {
-    if canonical {
-        for (o, x) in out.iter_mut().zip(xs) {
-            *o = dot_f32w_canonical(w, x);
-        }
-        return;
+/// An F16 row converted to f32 (exact), dotted with 8 inputs at once in ds4's order (each sum
+/// sequential from 0, as [`dot_f16_f32`]): `x8[i·8 + j]` is term `i` of input `j`, so the 8 sums
+/// advance side by side (vector instructions) and each has [`dot_f16_f32`]'s bits.
+pub fn dot_f16_rows8(w: &[f32], x8: &[f32], out: &mut [f32; 8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { dot_f16_rows8_avx2(w, x8, out) };
     }
-    let n = w.len();
-    let mut groups = xs.chunks_exact(4);
-    let mut outs = out.chunks_exact_mut(4);
-    for (g, o) in (&mut groups).zip(&mut outs) {
-        let (x0, x1, x2, x3) = (&g[0][..n], &g[1][..n], &g[2][..n], &g[3][..n]);
-        let mut acc = [0.0f32; 4];
-        for i in 0..n {
-            let wi = w[i];
-            acc[0] += wi * x0[i];
-            acc[1] += wi * x1[i];
-            acc[2] += wi * x2[i];
-            acc[3] += wi * x3[i];
-        }
-        o.copy_from_slice(&acc);
-    }
-    for (o, x) in outs.into_remainder().iter_mut().zip(groups.remainder()) {
-        let mut acc = 0.0f32;
-        for (&wi, &xi) in w.iter().zip(x.iter()) {
-            acc += wi * xi;
-        }
-        *o = acc;
-    }
+    dot_f16_rows8_portable(w, x8, out)
 }
 
-/// [`dot_f16_f32_canonical`] with the weights already f32.
-fn dot_f32w_canonical(w: &[f32], x: &[f32]) -> f32 {
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_f16_rows8_avx2(w: &[f32], x8: &[f32], out: &mut [f32; 8]) {
+    dot_f16_rows8_portable(w, x8, out)
+}
+
+#[inline(always)]
+fn dot_f16_rows8_portable(w: &[f32], x8: &[f32], out: &mut [f32; 8]) {
+    let mut acc = [0.0f32; 8];
+    for (&wi, xi) in w.iter().zip(x8.chunks_exact(8)) {
+        let xi: &[f32; 8] = xi.try_into().expect("8 inputs");
+        for j in 0..8 {
+            acc[j] += wi * xi[j];
+        }
+    }
+    *out = acc;
+}
+
+/// A canonical F16 dot's terms in lane order: inside each whole 512-term chunk, term
+/// `(u·32 + l)·8 + k` (lane `l`'s `k`-th term of step `u`) moves to `(u·8 + k)·32 + l`, so the 32
+/// lane sums advance side by side over contiguous values (vector instructions) while each lane
+/// still adds its own terms in increasing order. A short last chunk keeps its order.
+pub fn to_lane_major(v: &[f32], out: &mut [f32]) {
     const W: usize = numerics::F16_WIDTH;
     const C: usize = numerics::CHUNK;
+    const L: usize = numerics::LANES;
+    let full = v.len() / C * C;
+    for (src, dst) in v[..full].chunks_exact(C).zip(out[..full].chunks_exact_mut(C)) {
+        for u in 0..C / (W * L) {
+            for l in 0..L {
+                for k in 0..W {
+                    dst[(u * W + k) * L + l] = src[(u * L + l) * W + k];
+                }
+            }
+        }
+    }
+    out[full..v.len()].copy_from_slice(&v[full..]);
+}
+
+/// [`dot_f16_f32_canonical`] of a row converted to f32 and a vector, both in lane order
+/// ([`to_lane_major`]): the same terms added in the same order, so the same bits.
+pub fn dot_lane_major(w: &[f32], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { dot_lane_major_avx2(w, x) };
+    }
+    dot_lane_major_portable(w, x)
+}
+
+/// The same code compiled for AVX2: 8 lanes per instruction. Each product and sum still rounds
+/// on its own (Rust never contracts `a * b + c` into a fused multiply-add).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_lane_major_avx2(w: &[f32], x: &[f32]) -> f32 {
+    dot_lane_major_portable(w, x)
+}
+
+#[inline(always)]
+fn dot_lane_major_portable(w: &[f32], x: &[f32]) -> f32 {
+    const W: usize = numerics::F16_WIDTH;
+    const C: usize = numerics::CHUNK;
+    const L: usize = numerics::LANES;
     let n = w.len().min(x.len());
     let full = n / C * C;
     let mut total = 0.0f32;
-    for (w, xs) in w[..full].chunks_exact(C).zip(x[..full].chunks_exact(C)) {
-        let w: &[f32; C] = w.try_into().expect("chunk");
-        let xs: &[f32; C] = xs.try_into().expect("chunk");
-        let mut acc = [0.0f32; numerics::LANES];
-        for u in 0..C / (W * numerics::LANES) {
-            for (l, a) in acc.iter_mut().enumerate() {
-                let base = (u * numerics::LANES + l) * W;
-                for v in base..base + W {
-                    *a += w[v] * xs[v];
-                }
+    for (wc, xc) in w[..full].chunks_exact(C).zip(x[..full].chunks_exact(C)) {
+        let mut acc = [0.0f32; L];
+        for (wr, xr) in wc.chunks_exact(L).zip(xc.chunks_exact(L)) {
+            let wr: &[f32; L] = wr.try_into().expect("lane row");
+            let xr: &[f32; L] = xr.try_into().expect("lane row");
+            for l in 0..L {
+                acc[l] += wr[l] * xr[l];
             }
         }
         total += numerics::tree32(acc);
     }
     if n > full {
-        let (w, xs) = (&w[full..n], &x[full..n]);
-        total += numerics::sum::<W, C>(n - full, |i| w[i] * xs[i]);
+        let (w, x) = (&w[full..n], &x[full..n]);
+        total += numerics::sum::<W, C>(n - full, |i| w[i] * x[i]);
     }
     total
 }
@@ -1245,6 +1278,55 @@ impl DecodedRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Eight interleaved F16 dots have the bits of eight sequential ones.
+    #[test]
+    fn interleaved_f16_dots_equal_the_sequential_dot() {
+        let mut state = 0x1234_5678_9abc_def1u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for n in [1usize, 7, 512, 1000] {
+            let w16: Vec<u16> = (0..n).map(|_| f32_to_f16((next() % 20001) as f32 / 10000.0 - 1.0)).collect();
+            let bytes: Vec<u8> = w16.iter().flat_map(|h| h.to_le_bytes()).collect();
+            let w32: Vec<f32> = w16.iter().map(|&h| f16_to_f32(h)).collect();
+            let xs: Vec<Vec<f32>> =
+                (0..8).map(|_| (0..n).map(|_| (next() % 2_000_001) as f32 / 1_000_000.0 - 1.0).collect()).collect();
+            let x8: Vec<f32> = (0..n).flat_map(|i| xs.iter().map(move |x| x[i])).collect();
+            let mut out = [0.0f32; 8];
+            dot_f16_rows8(&w32, &x8, &mut out);
+            for (j, x) in xs.iter().enumerate() {
+                assert_eq!(out[j].to_bits(), dot_f16_f32(&bytes, x).to_bits(), "n = {n}, input {j}");
+            }
+        }
+    }
+
+    /// Lane-order F16 dots have the bits of the canonical F16 dot for whole and short chunks.
+    #[test]
+    fn lane_major_dots_equal_the_canonical_f16_dot() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for n in [8usize, 504, 512, 1024, 1536 + 8, 4096, 16384 + 136] {
+            let w16: Vec<u16> = (0..n).map(|_| f32_to_f16((next() % 20001) as f32 / 10000.0 - 1.0)).collect();
+            let x: Vec<f32> = (0..n).map(|_| ((next() % 2_000_001) as f32 / 1_000_000.0 - 1.0) * 3.0).collect();
+            let bytes: Vec<u8> = w16.iter().flat_map(|h| h.to_le_bytes()).collect();
+            let w32: Vec<f32> = w16.iter().map(|&h| f16_to_f32(h)).collect();
+            let (mut wt, mut xt) = (vec![0.0; n], vec![0.0; n]);
+            to_lane_major(&w32, &mut wt);
+            to_lane_major(&x, &mut xt);
+            let want = dot_f16_f32_canonical(&bytes, &x);
+            assert_eq!(dot_lane_major(&wt, &xt).to_bits(), want.to_bits(), "n = {n}");
+            assert_eq!(dot_lane_major_portable(&wt, &xt).to_bits(), want.to_bits(), "n = {n}");
+        }
+    }
 
     /// The vector integer dots (AVX2 where the CPU has it) equal the plain loop for every length
     /// and for the extremes the formats reach, block by block too.

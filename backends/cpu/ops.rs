@@ -398,20 +398,59 @@ impl<'a> Ctx<'a> {
                     }
                 });
             }
+            GgmlType::F16 if canonical => {
+                // Each weight row is converted to f32 once (exact) and, like every row's input,
+                // put in lane order, where the canonical dot's 32 lane sums vectorize.
+                let mut xt = vec![0f32; n * x_len];
+                for (k, &t) in rows.iter().enumerate() {
+                    for g in 0..groups as usize {
+                        let at = g * in_dim;
+                        let (src, dst) = (&xv[t * x_len + at..][..in_dim], &mut xt[k * x_len + at..][..in_dim]);
+                        quant::to_lane_major(src, dst);
+                    }
+                }
+                tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
+                    let (mut w32, mut wt) = (vec![0f32; in_dim], vec![0f32; in_dim]);
+                    for (j, o) in chunk.chunks_mut(n).enumerate() {
+                        let r = c * ROWS_PER_TASK + j;
+                        let at = (r / rows_per_group) * in_dim;
+                        for (d, b) in w32.iter_mut().zip(data[r * rb..(r + 1) * rb].chunks_exact(2)) {
+                            *d = quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                        }
+                        quant::to_lane_major(&w32, &mut wt);
+                        for (k, v) in o.iter_mut().enumerate() {
+                            *v = quant::dot_lane_major(&wt, &xt[k * x_len + at..][..in_dim]);
+                        }
+                    }
+                });
+            }
             GgmlType::F16 => {
-                // Each weight row is converted to f32 once (exact) for all the rows' dots.
+                // Each weight row is converted to f32 once (exact) and dotted with the rows'
+                // inputs 8 at a time, interleaved term by term (`x8`) so the 8 sums vectorize.
+                let (groups, tg) = (groups as usize, n.div_ceil(8));
+                let mut x8 = vec![0f32; groups * tg * in_dim * 8];
+                for g in 0..groups {
+                    for (k, &t) in rows.iter().enumerate() {
+                        let src = &xv[t * x_len + g * in_dim..][..in_dim];
+                        let dst = &mut x8[(g * tg + k / 8) * in_dim * 8..][..in_dim * 8];
+                        for (i, &v) in src.iter().enumerate() {
+                            dst[i * 8 + k % 8] = v;
+                        }
+                    }
+                }
                 tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
                     let mut w32 = vec![0f32; in_dim];
                     for (j, o) in chunk.chunks_mut(n).enumerate() {
                         let r = c * ROWS_PER_TASK + j;
-                        let at = (r / rows_per_group) * in_dim;
-                        let row = &data[r * rb..(r + 1) * rb];
-                        for (d, b) in w32.iter_mut().zip(row.chunks_exact(2)) {
+                        let g = r / rows_per_group;
+                        for (d, b) in w32.iter_mut().zip(data[r * rb..(r + 1) * rb].chunks_exact(2)) {
                             *d = quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
                         }
-                        let xs: Vec<&[f32]> =
-                            rows.iter().map(|&t| &xv[t * x_len + at..t * x_len + at + in_dim]).collect();
-                        quant::dot_f16_rows(&w32, &xs, o, canonical);
+                        for (q, o8) in o.chunks_mut(8).enumerate() {
+                            let mut acc = [0f32; 8];
+                            quant::dot_f16_rows8(&w32, &x8[(g * tg + q) * in_dim * 8..][..in_dim * 8], &mut acc);
+                            o8.copy_from_slice(&acc[..o8.len()]);
+                        }
                     }
                 });
             }
