@@ -74,36 +74,6 @@ extern "C" __global__ void compressor_update(DS4_ARGS, const CompressorUpdateArg
     }
 }
 
-// Barrier `id` over the first `n` threads that reach it (a multiple of 32), for warps that
-// synchronize among themselves while another warp of the block does something else.
-__device__ __forceinline__ void named_barrier(u32 id, u32 n) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
-// rms_scale_block for the `n_threads` threads from warp `w0` on, synchronized by named barrier 1:
-// the same chunk sums added in the same order, so the same scale.
-__device__ float rms_scale_warps(const float* x, u32 n, float eps, u32 w0, u32 n_threads) {
-    __shared__ float chunk_sums[NORM_MAX_CHUNKS];
-    __shared__ float scale_sh;
-    const u32 lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - w0, nw = n_threads >> 5;
-    const u32 n_chunks = (n + DS4_CHUNK - 1) / DS4_CHUNK;
-    for (u32 c = warp; c < n_chunks; c += nw) {
-        const float* xc = x + c * DS4_CHUNK;
-        const float s = warp_sum(chunk_dot_f32(xc, xc, n - c * DS4_CHUNK, lane));
-        if (lane == 0) chunk_sums[c] = s;
-    }
-    named_barrier(1, n_threads);
-    if (warp == 0 && lane == 0) {
-        float ss = 0.0f;
-        for (u32 c = 0; c < n_chunks; c++) ss += chunk_sums[c];
-        scale_sh = 1.0f / sqrtf(ss / (float)n + eps);
-    }
-    named_barrier(1, n_threads);
-    const float scale = scale_sh;
-    named_barrier(1, n_threads);
-    return scale;
-}
-
 // Lane sum of one 512-term chunk of an F16 row times x * scale (the RMS-normalized input, each
 // value rounded as rms_norm stores it), in chunk_dot_f16's order.
 __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const float* x, float scale, u32 n, u32 lane) {
@@ -128,119 +98,233 @@ __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const f
 }
 
 // The HC pre-mix of a half-layer: the plain RMS norm of the streams (`flat`), the F16 control
-// projection (`mix`, split-K as mat_vec_f16_split: every block computes the norm's scale itself),
-// then in the last block to finish: the Sinkhorn split, the weighted sum of the streams (`cur`)
-// and the sublayer's RMS norm with weight (`norm`, with its Q8_0 quantization when `xq` is set).
+// projection (`mix`, split-K: a warp per 512-chunk of a row), the Sinkhorn split, the weighted sum
+// of the streams (`cur`) and the sublayer's RMS norm with weight (`norm`, with its Q8_0
+// quantization when `xq` is set, and its Q8_K when `xk` is).
+//
+// The norm's scale comes from the streams' chunk sums of squares when the hc_post that wrote them
+// stored those (`ss`); otherwise every block sums the streams itself. The blocks form two groups
+// with a ticket each: the first `blocks_pre` blocks take mix rows 0..3 (the pre gates), the rest
+// rows 4.. (post gates and combine matrix). The last block of the first group does the weighted
+// sum and the norm, which need only the pre gates; the last block of the second group runs the
+// Sinkhorn split, which only hc_post reads, on another SM at the same time. The tails are chains
+// of dependent steps on one SM, so each step issues all its loads before using any.
 #define HC_PRE_MAX_PARTIALS 2048
 #define HC_PRE_MAX_EMBD 8192
-extern "C" __global__ void __launch_bounds__(1024) hc_pre(DS4_ARGS, const HcPreArgs a) {
+#define HC_PRE_WARPS 16
+
+// The sum from +0 of v[0..n] in order, where lane k of the warp holds v[k0 + k]; every lane
+// gets it.
+__device__ __forceinline__ float ordered_sum_lanes(const float* v, u32 n, u32 lane) {
+    float total = 0.0f;
+    for (u32 k0 = 0; k0 < n; k0 += 32) {
+        const float mine = k0 + lane < n ? v[k0 + lane] : 0.0f;
+#pragma unroll
+        for (u32 k = 0; k < 32; k++) {
+            const float t = __shfl_sync(0xffffffffu, mine, k);
+            if (k0 + k < n) total += t;
+        }
+    }
+    return total;
+}
+
+// A group's last block: the chunk sums of mix rows first .. first+rows, staged in shared memory
+// by all threads at once, then each row's added in order by one thread.
+__device__ __forceinline__ void hc_pre_mix_rows(const HcPreArgs& a, u32 first, u32 rows, float* mix) {
+    __shared__ float sums[HC_PRE_MAX_PARTIALS];
+    const u32 nc = a.n_chunks, base = first * nc;
+    for (u32 i = threadIdx.x; i < rows * nc; i += blockDim.x) sums[i] = __ldcg(a.partial + base + i);
+    __syncthreads();
+    if (threadIdx.x < rows) {
+        float total = 0.0f;
+#pragma unroll 8
+        for (u32 k = 0; k < nc; k++) total += sums[threadIdx.x * nc + k];
+        mix[first + threadIdx.x] = total;
+        a.mix[first + threadIdx.x] = total;
+    }
+    __syncthreads();
+}
+
+// The first group's tail for the 512-chunk `ch` of `cur`, by one warp, lane l holding values
+// ch*512 + 128u + 4l + j (the lanes of the canonical sum of squares): the weighted sum, then,
+// once `s2` is known, the norm and its quantizations. Q8_0: a 32-block is 8 lanes; Q8_K: a
+// 256-block is u = 2h, 2h+1, the 16-value sums 4 lanes each. Both as quantize_q8_0 and
+// quantize_q8_k make them (the maxima are exact in any order).
+struct HcPreChunk {
+    float v[4][4];
+    bool ok[4];
+};
+__device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const float* pre, u32 ch, u32 lane, HcPreChunk* c) {
+    const u32 ne = a.n_embd;
+    float4 xs[4][4];
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
+        c->ok[u] = d < ne;
+#pragma unroll
+        for (u32 h = 0; h < 4; h++) xs[u][h] = c->ok[u] ? *(const float4*)(a.x + h * ne + d) : make_float4(0, 0, 0, 0);
+    }
+    float sq = 0.0f;
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const float x[4][4] = {{xs[u][0].x, xs[u][1].x, xs[u][2].x, xs[u][3].x},
+                               {xs[u][0].y, xs[u][1].y, xs[u][2].y, xs[u][3].y},
+                               {xs[u][0].z, xs[u][1].z, xs[u][2].z, xs[u][3].z},
+                               {xs[u][0].w, xs[u][1].w, xs[u][2].w, xs[u][3].w}};
+#pragma unroll
+        for (u32 j = 0; j < 4; j++) {
+            float acc = 0.0f;
+            acc += x[j][0] * pre[0];
+            acc += x[j][1] * pre[1];
+            acc += x[j][2] * pre[2];
+            acc += x[j][3] * pre[3];
+            c->v[u][j] = acc;
+            if (c->ok[u]) sq += acc * acc;
+        }
+        if (c->ok[u]) {
+            const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
+            *(float4*)(a.cur + d) = make_float4(c->v[u][0], c->v[u][1], c->v[u][2], c->v[u][3]);
+        }
+    }
+    return warp_sum(sq);
+}
+
+__device__ __forceinline__ void hc_pre_norm_chunk(const HcPreArgs& a, float s2, u32 ch, u32 lane, HcPreChunk* c) {
+    float4 w[4];
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
+        w[u] = c->ok[u] ? *(const float4*)(a.norm_w + d) : make_float4(0, 0, 0, 0);
+    }
+    float o[4][4];
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const float wv[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+        for (u32 j = 0; j < 4; j++) {
+            const float v = c->v[u][j] * s2;
+            o[u][j] = v * wv[j];
+        }
+        const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
+        if (c->ok[u]) *(float4*)(a.norm + d) = make_float4(o[u][0], o[u][1], o[u][2], o[u][3]);
+    }
+    if (a.xq) {
+#pragma unroll
+        for (u32 u = 0; u < 4; u++) {
+            float amax = fmaxf(fmaxf(fabsf(o[u][0]), fabsf(o[u][1])), fmaxf(fabsf(o[u][2]), fabsf(o[u][3])));
+            for (u32 off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            const float d = amax / 127.0f;
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            u32 packed = 0;
+#pragma unroll
+            for (u32 j = 0; j < 4; j++) packed |= (u32)(u8)(i8)max(-128, min(127, (int)rintf(o[u][j] * id))) << (8 * j);
+            const u32 i = ch * DS4_CHUNK + u * 128 + lane * 4;
+            if (c->ok[u]) {
+                *(u32*)(a.xq + i) = packed;
+                if ((lane & 7) == 0) a.xd[i / 32] = d;
+            }
+        }
+    }
+    if (a.xk) {
+        // Per 256: the value of largest magnitude, lowest index on ties, sets d.
+#pragma unroll
+        for (u32 h = 0; h < 2; h++) {
+            const u32 blk = ch * 2 + h;
+            if (!c->ok[2 * h]) break;  // uniform: the plan asks n_embd % 256 == 0
+            float am = -1.0f, mv = 0.0f;
+            int idx = 0;
+#pragma unroll
+            for (u32 k = 0; k < 2; k++)
+#pragma unroll
+                for (u32 j = 0; j < 4; j++)
+                    if (fabsf(o[2 * h + k][j]) > am) {
+                        am = fabsf(o[2 * h + k][j]);
+                        mv = o[2 * h + k][j];
+                        idx = (int)(k * 128 + lane * 4 + j);
+                    }
+            warp_argmax(&am, &idx);
+            // The winner's own lane gives its signed value.
+            const float winner = __shfl_sync(0xffffffffu, mv, ((u32)idx % 128) / 4);
+            const float maxv = am == 0.0f ? 0.0f : winner;
+            BlockQ8K* q8 = a.xk + blk;
+            const float iscale = maxv == 0.0f ? 0.0f : -127.0f / maxv;
+#pragma unroll
+            for (u32 k = 0; k < 2; k++) {
+                u32 packed = 0;
+                int sum = 0;
+#pragma unroll
+                for (u32 j = 0; j < 4; j++) {
+                    const int q = maxv == 0.0f ? 0 : max(-128, min(127, (int)rintf(iscale * o[2 * h + k][j])));
+                    packed |= (u32)(u8)(i8)q << (8 * j);
+                    sum += q;
+                }
+                *(u32*)(q8->qs + k * 128 + lane * 4) = packed;
+                for (u32 off = 1; off < 4; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                if ((lane & 3) == 0) q8->bsums[k * 8 + lane / 4] = (i16)sum;
+            }
+            if (lane == 0) q8->d = maxv == 0.0f ? 0.0f : 1.0f / iscale;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS, const HcPreArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const u32 n = a.hc_dim;
-    const u32 wid = blockIdx.x * nw + warp;
-    const bool live = wid < a.mix_rows * a.n_chunks;
-    const u32 r = live ? wid / a.n_chunks : 0, c = live ? (wid % a.n_chunks) * DS4_CHUNK : 0;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 n = a.hc_dim, nc = a.n_chunks;
+    const bool group_pre = blockIdx.x < a.blocks_pre;
+    const u32 rows = group_pre ? 4 : a.mix_rows - 4;
+    const u32 gw = (group_pre ? blockIdx.x : blockIdx.x - a.blocks_pre) * HC_PRE_WARPS + warp;
+    const bool live = gw < rows * nc;
+    const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
     ds4_wait_predecessor();
-    const float scale = rms_scale_block(a.x, n, a.eps_flat);
+    float scale;
+    if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
+    else scale = rms_scale_block(a.x, n, a.eps_flat);
     if (live) {
         const float s = warp_sum(chunk_dot_f16_scaled(chunk, a.x + c, scale, n - c, lane));
-        if (lane == 0) a.partial[wid] = s;
+        if (lane == 0) a.partial[r * nc + c / DS4_CHUNK] = s;
         if (r == 0)
             for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = a.x[c + i] * scale;
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket, 1u) == gridDim.x - 1;
+    const u32 ticket = a.ticket + (group_pre ? 0 : 1);
+    const u32 group_blocks = group_pre ? a.blocks_pre : gridDim.x - a.blocks_pre;
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + ticket, 1u) == group_blocks - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // The last block: the chunk sums staged in shared memory by all threads at once (their
-    // loads overlap), then each row's sums added in order by one thread.
-    __shared__ float sums[HC_PRE_MAX_PARTIALS];
-    __shared__ __align__(16) float cur[HC_PRE_MAX_EMBD];
-    const u32 n_part = a.mix_rows * a.n_chunks;
-    for (u32 i = threadIdx.x; i < n_part; i += blockDim.x) sums[i] = __ldcg(a.partial + i);
-    __syncthreads();
-    for (u32 row = threadIdx.x; row < a.mix_rows; row += blockDim.x) {
-        float total = 0.0f;
-        for (u32 k = 0; k < a.n_chunks; k++) total += sums[row * a.n_chunks + k];
-        a.mix[row] = total;
-    }
-    // Only the 4 pre gates feed the weighted sum; the post gates and the Sinkhorn combine matrix
-    // wait until hc_post. So warp 0 publishes the pre gates, then runs the whole split while
-    // warps 1.. do the weighted sum and the norm, synchronized by a named barrier.
-    __shared__ float pre[4];
-    if (threadIdx.x < 4) {
-        const u32 h = threadIdx.x;
-        pre[h] = 1.0f / (1.0f + ds4_expf(-(a.mix[h] * a.scale[0] + a.base[h]))) + a.eps_hc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps_hc);
+    __shared__ float mix[32];
+    if (!group_pre) {
+        hc_pre_mix_rows(a, 4, rows, mix);
+        if (warp == 0) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
+        if (threadIdx.x == 0) a.tickets[ticket] = 0;
         return;
     }
-    const u32 ne = a.n_embd, t = threadIdx.x - 32, nt = blockDim.x - 32;
-    for (u32 d = t; d < ne; d += nt) {
-        float acc = 0.0f;
-        acc += a.x[d] * pre[0];
-        acc += a.x[ne + d] * pre[1];
-        acc += a.x[2 * ne + d] * pre[2];
-        acc += a.x[3 * ne + d] * pre[3];
-        cur[d] = acc;
-        a.cur[d] = acc;
+    hc_pre_mix_rows(a, 0, 4, mix);
+    __shared__ float pre[4];
+    if (threadIdx.x < 4) {
+        pre[threadIdx.x] = hc_pre_gate(mix[threadIdx.x], a.scale, a.base[threadIdx.x], a.eps_hc);
+        a.split[threadIdx.x] = pre[threadIdx.x];
     }
-    named_barrier(1, nt);
-    const float s2 = rms_scale_warps(cur, ne, a.eps_norm, 1, nt);
-    if (a.xq) {
-        for (u32 blk = warp - 1; blk < ne / 32; blk += nw - 1) {
-            const u32 i = blk * 32 + lane;
-            const float v = cur[i] * s2;
-            const float o = v * a.norm_w[i];
-            a.norm[i] = o;
-            quantize_q8_0_warp(o, a.xq, a.xd, blk, lane);
-        }
-    } else {
-        for (u32 i = t; i < ne; i += nt) {
-            const float v = cur[i] * s2;
-            a.norm[i] = v * a.norm_w[i];
-        }
+    __syncthreads();
+    // Each warp keeps its chunks of `cur` in registers (the plan asks n_embd <= 16 * 512).
+    __shared__ float cur_ss[HC_PRE_MAX_EMBD / DS4_CHUNK];
+    const u32 ne_chunks = (a.n_embd + DS4_CHUNK - 1) / DS4_CHUNK;
+    HcPreChunk cc;
+    if (warp < ne_chunks) {
+        const float sq = hc_pre_cur_chunk(a, pre, warp, lane, &cc);
+        if (lane == 0) cur_ss[warp] = sq;
     }
-    if (a.xk) {
-        // The routed experts' Q8_K of the same output, as quantize_q8_k makes it: per 256, the
-        // value of largest magnitude (lowest index on ties) sets d; a warp per block, lane i
-        // holding values i + 32k, the 16-value sums by half-warp shuffles (exact integers).
-        for (u32 blk = warp - 1; blk < ne / 256; blk += nw - 1) {
-            const u32 base = blk * 256;
-            float v[8];
-            float am = -1.0f;
-            int idx = 0;
-#pragma unroll
-            for (u32 k = 0; k < 8; k++) {
-                const u32 i = base + lane + 32 * k;
-                v[k] = (cur[i] * s2) * a.norm_w[i];
-                if (fabsf(v[k]) > am) {
-                    am = fabsf(v[k]);
-                    idx = (int)(lane + 32 * k);
-                }
-            }
-            warp_argmax(&am, &idx);
-            const u32 bi = base + (u32)idx;
-            const float maxv = am == 0.0f ? 0.0f : (cur[bi] * s2) * a.norm_w[bi];
-            BlockQ8K* o = a.xk + blk;
-            const float iscale = maxv == 0.0f ? 0.0f : -127.0f / maxv;
-#pragma unroll
-            for (u32 k = 0; k < 8; k++) {
-                const int q = maxv == 0.0f ? 0 : max(-128, min(127, (int)rintf(iscale * v[k])));
-                o->qs[lane + 32 * k] = (i8)q;
-                int sum = q;
-                for (u32 off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-                if ((lane & 15) == 0) o->bsums[2 * k + (lane >> 4)] = (i16)sum;
-            }
-            if (lane == 0) o->d = maxv == 0.0f ? 0.0f : 1.0f / iscale;
-        }
+    __syncthreads();
+    if (warp < ne_chunks) {
+        float ss2 = 0.0f;
+        for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
+        const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
+        hc_pre_norm_chunk(a, s2, warp, lane, &cc);
     }
-    if (t == 0) a.tickets[a.ticket] = 0;
+    if (threadIdx.x == 0) a.tickets[ticket] = 0;
 }

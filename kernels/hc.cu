@@ -11,15 +11,23 @@ extern "C" __global__ void embed_hc(DS4_ARGS, const EmbedHcArgs a) {
     for (u32 h = 0; h < a.n_hc; h++) a.out[h * a.n_embd + d] = v;
 }
 
+// A pre gate: sigmoid(mix * scale + base) + eps, in ds4's form.
+__device__ __forceinline__ float hc_pre_gate(float mix, const float* scale, float base, float eps) {
+    return 1.0f / (1.0f + ds4_expf(-(mix * scale[0] + base))) + eps;
+}
+
 // One warp: lanes 0..7 make the 4 pre and 4 post gates; lane k < 16 holds the combine matrix's
 // element k = src + dst*4 through the softmax and the 20 Sinkhorn iterations. Every row and column
 // sum reads its four elements by shuffles and adds them in ds4's order (dst, or src, ascending),
 // so each lane computes exactly what the serial reference does. Called by all 32 lanes of a warp.
+// Without `with_pre` the 4 pre gates (which read mix[0..4]) are left to the caller.
 __device__ void hc_split_warp(const float* mix, const float* scale, const float* base, float* split, u32 iters,
-                              float eps) {
+                              float eps, bool with_pre) {
     const u32 lane = threadIdx.x & 31;
     const int n = 4;
-    if (lane < 4) split[lane] = 1.0f / (1.0f + ds4_expf(-(mix[lane] * scale[0] + base[lane]))) + eps;
+    if (lane < 4) {
+        if (with_pre) split[lane] = hc_pre_gate(mix[lane], scale, base[lane], eps);
+    }
     else if (lane < 8) split[lane] = 2.0f / (1.0f + ds4_expf(-(mix[lane] * scale[1] + base[lane])));
     const u32 k = lane & 15, src = k & 3, dst = k >> 2;
     float c = mix[2 * n + k] * scale[2] + base[2 * n + k];
@@ -46,7 +54,7 @@ __device__ void hc_split_warp(const float* mix, const float* scale, const float*
 extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
     DS4_GUARD;
     if (blockIdx.x != 0 || a.n_hc != 4) return;
-    hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps);
+    hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps, true);
 }
 
 // out[d] = sum_h weights[h] * hc[h*n + d]
@@ -61,21 +69,57 @@ extern "C" __global__ void hc_weighted_sum(DS4_ARGS, const HcWeightedSumArgs a) 
 
 // out[dst][d] = post[dst]*block[d] + sum_src comb[dst + src*n_hc] * residual[src][d]
 // With `block_b` (an Add fused in front), block = block[d] + block_b[d], also stored to `sum_out`.
+// A warp per 512 outputs, lane l taking 4 consecutive ones per 128: the lanes of the canonical
+// sum of squares, so with `ss` it also stores each 512-chunk's sum of squares of `out`, from which
+// the next hc_pre takes the RMS norm of the streams without reading them again. n % 4 == 0,
+// n_hc <= 4.
 extern "C" __global__ void hc_post(DS4_ARGS, const HcPostArgs a) {
     DS4_GUARD;
-    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= a.n * a.n_hc) return;
-    const u32 dst = i / a.n, d = i % a.n;
+    const u32 lane = threadIdx.x & 31, chunk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const u32 total = a.n * a.n_hc, c0 = chunk * DS4_CHUNK;
+    if (c0 >= total) return;
     const float* post = a.split + a.n_hc;
     const float* comb = a.split + 2 * a.n_hc;
-    float blk = a.block[d];
-    if (a.block_b) {
-        blk = blk + a.block_b[d];
-        if (dst == 0) a.sum_out[d] = blk;
+    // Every load first (out may not alias the inputs, but the compiler cannot know that).
+    float4 bl[4], bb[4], res[4][4];
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const u32 i = c0 + u * 128 + lane * 4, d = i % a.n;
+        const bool ok = i < total;
+        bl[u] = ok ? *(const float4*)(a.block + d) : make_float4(0, 0, 0, 0);
+        bb[u] = ok && a.block_b ? *(const float4*)(a.block_b + d) : make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (u32 src = 0; src < 4; src++)
+            res[u][src] = ok && src < a.n_hc ? *(const float4*)(a.residual + src * a.n + d) : make_float4(0, 0, 0, 0);
     }
-    float acc = blk * post[dst];
-    for (u32 src = 0; src < a.n_hc; src++) acc += comb[dst + src * a.n_hc] * a.residual[src * a.n + d];
-    a.out[i] = acc;
+    float sq = 0.0f;
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const u32 i = c0 + u * 128 + lane * 4, dst = i / a.n, d = i % a.n;
+        if (i >= total) break;
+        float v[4] = {bl[u].x, bl[u].y, bl[u].z, bl[u].w};
+        if (a.block_b) {
+            v[0] = v[0] + bb[u].x, v[1] = v[1] + bb[u].y, v[2] = v[2] + bb[u].z, v[3] = v[3] + bb[u].w;
+            if (dst == 0) *(float4*)(a.sum_out + d) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        float o[4];
+#pragma unroll
+        for (u32 j = 0; j < 4; j++) {
+            float acc = v[j] * post[dst];
+#pragma unroll
+            for (u32 src = 0; src < 4; src++) {
+                const float r = j == 0 ? res[u][src].x : j == 1 ? res[u][src].y : j == 2 ? res[u][src].z : res[u][src].w;
+                if (src < a.n_hc) acc += comb[dst + src * a.n_hc] * r;
+            }
+            o[j] = acc;
+            sq += acc * acc;
+        }
+        *(float4*)(a.out + i) = make_float4(o[0], o[1], o[2], o[3]);
+    }
+    if (a.ss) {
+        sq = warp_sum(sq);
+        if (lane == 0) a.ss[chunk] = sq;
+    }
 }
 
 // w = sigmoid(pre*scale + base) + eps, no Sinkhorn.

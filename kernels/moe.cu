@@ -416,6 +416,56 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u
     }
 }
 
+// The Q8_K of 256 values by one warp, exactly as quantize_q8_k makes it: lane i holds values
+// i + 32k; the value of largest magnitude (lowest index on ties) sets d; the 16-value sums by
+// half-warp shuffles (exact integers). `x` was written by other blocks of this launch: read
+// through L2.
+__device__ __forceinline__ void quantize_q8_k_warp(const float* x, BlockQ8K* o, u32 lane) {
+    float v[8];
+#pragma unroll
+    for (u32 k = 0; k < 8; k++) v[k] = __ldcg(x + lane + 32 * k);
+    float am = -1.0f, mv = 0.0f;
+    int idx = 0;
+#pragma unroll
+    for (u32 k = 0; k < 8; k++)
+        if (fabsf(v[k]) > am) {
+            am = fabsf(v[k]);
+            mv = v[k];
+            idx = (int)(lane + 32 * k);
+        }
+    warp_argmax(&am, &idx);
+    const float winner = __shfl_sync(0xffffffffu, mv, (u32)idx % 32);
+    const float maxv = am == 0.0f ? 0.0f : winner;
+    const float iscale = maxv == 0.0f ? 0.0f : -127.0f / maxv;
+#pragma unroll
+    for (u32 k = 0; k < 8; k++) {
+        const int q = maxv == 0.0f ? 0 : max(-128, min(127, (int)rintf(iscale * v[k])));
+        o->qs[lane + 32 * k] = (i8)q;
+        int sum = q;
+        for (u32 off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if ((lane & 15) == 0) o->bsums[2 * k + (lane >> 4)] = (i16)sum;
+    }
+    if (lane == 0) o->d = maxv == 0.0f ? 0.0f : 1.0f / iscale;
+}
+
+// With `midq`, the mid vector's Q8_K for the down kernel too: a slot's rows are whole blocks (the
+// plan asks ff % 16 == 0), and the last of a slot's blocks to finish (a ticket per slot)
+// quantizes that slot's ff values, a warp per 256.
+__device__ __forceinline__ void moe_gate_up_mid_q8_k(const MoeGateUpArgs& a) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    const u32 per_slot = a.ff / MOE_ROWS_PER_WARP / (blockDim.x >> 5), slot = blockIdx.x / per_slot;
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket + slot, 1u) == per_slot - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const u32 lane = threadIdx.x & 31, nb = a.ff / 256;
+    for (u32 blk = threadIdx.x >> 5; blk < nb; blk += blockDim.x >> 5)
+        quantize_q8_k_warp(a.mid + (u64)slot * a.ff + blk * 256, a.midq + (u64)slot * nb + blk, lane);
+    if (threadIdx.x == 0) a.tickets[a.ticket + slot] = 0;
+}
+
 extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -423,11 +473,13 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
     const u64* grid = iq2_grid(a.grid, a.gate_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (wid >= a.n_used * (a.ff / MOE_ROWS_PER_WARP)) return;
     // gate and up have one type (checked by the planner); IQ2_XXS goes to moe_gate_up_iq2_xxs.
-    if (a.gate_ty == 16) moe_gate_up_rows<16, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
-    else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
-    else moe_gate_up_rows<12, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+    if (wid < a.n_used * (a.ff / MOE_ROWS_PER_WARP)) {
+        if (a.gate_ty == 16) moe_gate_up_rows<16, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+        else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+        else moe_gate_up_rows<12, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+    }
+    if (a.midq) moe_gate_up_mid_q8_k(a);
 }
 
 // The same for IQ2_XXS alone (the Flash experts): without the k-quant paths it needs 71
@@ -441,8 +493,8 @@ extern "C" __global__ void moe_gate_up_iq2_xxs(DS4_ARGS, const MoeGateUpArgs a) 
     const u64* grid = iq2_grid(a.grid, true);
     const u32 warp = threadIdx.x >> 5;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (wid >= a.n_used * (a.ff / MOE_ROWS_PER_WARP)) return;
-    moe_gate_up_rows<16, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+    if (wid < a.n_used * (a.ff / MOE_ROWS_PER_WARP)) moe_gate_up_rows<16, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+    if (a.midq) moe_gate_up_mid_q8_k(a);
 }
 
 // out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per two

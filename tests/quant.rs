@@ -478,13 +478,13 @@ fn dequantize_row_f32_and_i32() {
     assert_eq!(dst, [0.0, -7.0, 123_456.0, 16_777_216.0]);
 }
 
-/// The batched prefill's decoded rows (`DecodedRow`, `dot_f16_rows`) give the bits of the row
+/// The batched prefill's decoded rows (`DecodedRow`, `dot_f16_rows8`, `dot_lane_major`) give the bits of the row
 /// dots, in both profiles, for the golden rows of each type against varied activations.
 #[test]
 fn decoded_row_dots_have_the_row_dots_bits() {
     use ds4::quant::{
-        dot_f16_f32_canonical, dot_f16_rows, dot_iq2_xxs_q8_k_canonical, dot_q2_k_q8_k_canonical, dot_q8_0_canonical,
-        widen, DecodedRow,
+        dot_f16_f32_canonical, dot_f16_rows8, dot_iq2_xxs_q8_k_canonical, dot_lane_major, dot_q2_k_q8_k_canonical,
+        dot_q8_0_canonical, to_lane_major, widen, DecodedRow,
     };
     let acts: Vec<Vec<f32>> = (0..5)
         .map(|s| (0..COLS).map(|i| ((i * 37 + s * 101) % 97) as f32 * 0.03 - 1.4 + s as f32 * 0.2).collect())
@@ -518,17 +518,25 @@ fn decoded_row_dots_have_the_row_dots_bits() {
             assert!(same(d.dot_q8_k(&y, &y16, true), dot_iq2_xxs_q8_k_canonical(&row, &y)));
         }
     }
-    // F16 rows against all five activations at once (four interleaved and one more).
-    let xs: Vec<&[f32]> = acts.iter().map(|a| &a[..]).collect();
+    // F16 rows against all five activations at once: interleaved 8 wide (three left empty) in
+    // ds4's order, and in lane order in the canonical one.
+    let mut x8 = vec![0f32; COLS * 8];
+    for (j, a) in acts.iter().enumerate() {
+        for (i, &v) in a.iter().enumerate() {
+            x8[i * 8 + j] = v;
+        }
+    }
     for row in raw_rows(GgmlType::F16, "f16.bin") {
         let w: Vec<f32> = row.chunks_exact(2).map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
-        for canonical in [false, true] {
-            let mut out = vec![0f32; xs.len()];
-            dot_f16_rows(&w, &xs, &mut out, canonical);
-            for (o, x) in out.iter().zip(&xs) {
-                let want = if canonical { dot_f16_f32_canonical(&row, x) } else { dot_f16_f32(&row, x) };
-                assert!(same(*o, want), "f16, canonical {canonical}");
-            }
+        let mut out = [0f32; 8];
+        dot_f16_rows8(&w, &x8[..w.len() * 8], &mut out);
+        let mut wt = vec![0f32; w.len()];
+        to_lane_major(&w, &mut wt);
+        for (j, x) in acts.iter().enumerate() {
+            assert!(same(out[j], dot_f16_f32(&row, x)), "f16, ds4 order");
+            let mut xt = vec![0f32; w.len()];
+            to_lane_major(&x[..w.len()], &mut xt);
+            assert!(same(dot_lane_major(&wt, &xt), dot_f16_f32_canonical(&row, x)), "f16, canonical");
         }
     }
 }

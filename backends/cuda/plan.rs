@@ -23,9 +23,11 @@ pub enum Scratch {
     Partial,
     /// One u32 ticket per split-K launch: the last block to finish adds the chunk sums.
     Tickets,
+    /// The HC streams' 512-chunk sums of squares, from hc_post to the next hc_pre.
+    HcSumSq,
 }
 
-pub const SCRATCH_KINDS: [Scratch; 9] = [
+pub const SCRATCH_KINDS: [Scratch; 10] = [
     Scratch::Q8Qs,
     Scratch::Q8D,
     Scratch::Q8KX,
@@ -35,6 +37,7 @@ pub const SCRATCH_KINDS: [Scratch; 9] = [
     Scratch::Taken,
     Scratch::Partial,
     Scratch::Tickets,
+    Scratch::HcSumSq,
 ];
 
 impl Scratch {
@@ -78,6 +81,8 @@ const Q8K_BLOCK_BYTES: usize = 304;
 /// own quantize launch (130 launches fewer per Flash token). The plan test below checks the
 /// bookkeeping; `scripts/gpu-check` checks the bits.
 const FUSE_NORM_Q8: bool = true;
+/// Warps per block of hc_pre (kernels/fused.cu HC_PRE_WARPS).
+const HC_PRE_WARPS: usize = 16;
 
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
 const SPLIT_K_ROWS: usize = 2048;
@@ -114,6 +119,9 @@ struct Builder<'a> {
     group: Vec<usize>,
     /// The buffer whose Q8_K quantization (the experts' input) `hc_pre` left in the scratch.
     q8k_of: Option<(Buf, usize)>,
+    /// The HC state whose chunk sums of squares the last launch (an hc_post) stored, and the
+    /// launch count after it.
+    ss_of: Option<(Buf, usize)>,
     /// Whether routed experts go through the expert cache (kernels/expert_cache.cu).
     expert_cache: bool,
     /// MoE layers planned so far: the index of each layer's cache state.
@@ -392,9 +400,30 @@ impl<'a> Builder<'a> {
     }
 
     /// HcPost; with `add = Some((block_b, sum_out))`, an Add fused in front: `block + block_b` is
-    /// the block, also stored to `sum_out`.
-    fn hc_post(&mut self, block: Buf, add: Option<(Buf, Buf)>, residual: Buf, split: Buf, out: Buf, n_hc: u32) {
+    /// the block, also stored to `sum_out`. It also stores the output's chunk sums of squares,
+    /// which an hc_pre launched right after it reads instead of the streams ([`Scratch::HcSumSq`]).
+    fn hc_post(
+        &mut self,
+        block: Buf,
+        add: Option<(Buf, Buf)>,
+        residual: Buf,
+        split: Buf,
+        out: Buf,
+        n_hc: u32,
+    ) -> Result<(), String> {
         let n = self.len(block);
+        if n % 4 != 0 || n_hc > 4 {
+            return Err(format!(
+                "the HC post kernel needs at most 4 streams of a multiple of 4 values, not {n_hc} of {n}"
+            ));
+        }
+        let chunks = (n * n_hc as usize).div_ceil(numerics::CHUNK);
+        let ss = if chunks <= 64 {
+            self.need(Scratch::HcSumSq, chunks * 4);
+            Scratch::HcSumSq.ptr()
+        } else {
+            Ptr::NULL
+        };
         let (block_b, sum_out) = add.map_or((Ptr::NULL, Ptr::NULL), |(bb, so)| (b(bb), b(so)));
         let a = HcPostArgs {
             block: b(block),
@@ -403,10 +432,16 @@ impl<'a> Builder<'a> {
             residual: b(residual),
             split: b(split),
             out: b(out),
+            ss,
             n: n as u32,
             n_hc,
         };
-        self.launch(blocks(n * n_hc as usize, 256), 256, a);
+        // A warp per 512 outputs, each warp its own block to spread them over SMs.
+        self.launch(chunks as u32, 32, a);
+        if ss != Ptr::NULL {
+            self.ss_of = Some((out, self.launches.len()));
+        }
+        Ok(())
     }
 
     /// Marks op `k` as computed by the current op's launches.
@@ -546,6 +581,7 @@ impl<'a> Builder<'a> {
             || hc_dim as usize > 64 * numerics::CHUNK
             || n_embd as usize > 64 * numerics::CHUNK
             || mix_rows < 2 * 4 + 16
+            || mix_rows > 32
             || n_embd > 8192
             || mix_rows * (hc_dim / numerics::CHUNK as u32) > 2048
         {
@@ -556,7 +592,14 @@ impl<'a> Builder<'a> {
         self.absorb(&next);
         let n_chunks = hc_dim / numerics::CHUNK as u32;
         self.need(Scratch::Partial, (mix_rows * n_chunks) as usize * 4);
-        self.tickets += 1;
+        // Two groups of blocks with a ticket each: the pre gates' rows, and the other rows.
+        self.tickets += 2;
+        let blocks_pre = blocks(4 * n_chunks as usize, HC_PRE_WARPS);
+        // The streams' sums of squares, if the hc_post launched just before stored them.
+        let ss = match self.ss_of {
+            Some((buf, at)) if buf == x && at == self.launches.len() => Scratch::HcSumSq.ptr(),
+            _ => Ptr::NULL,
+        };
         self.need(Scratch::Tickets, self.tickets as usize * 4);
         let (xq, xd) = if FUSE_NORM_Q8 && self.next_q8_input_after(norm, norm_op) {
             self.q8_scratch(n_embd as usize)
@@ -587,19 +630,23 @@ impl<'a> Builder<'a> {
             xq,
             xd,
             xk,
+            ss,
             hc_dim,
             mix_rows,
             n_chunks,
-            ticket: self.tickets - 1,
+            ticket: self.tickets - 2,
             n_embd,
             iters,
             eps_flat,
             eps_hc,
             eps_norm,
-            _pad: 0,
+            blocks_pre,
         };
-        // Blocks of 1024 threads: the last one does the serial tail with 32 warps.
-        self.launch(blocks((mix_rows * n_chunks) as usize, 32), 1024, a);
+        self.launch(
+            blocks_pre + blocks((mix_rows - 4) as usize * n_chunks as usize, HC_PRE_WARPS),
+            HC_PRE_WARPS as u32 * 32,
+            a,
+        );
         if xq != Ptr::NULL {
             self.q8_of = Some((norm, self.cond, self.op));
         }
@@ -754,7 +801,9 @@ impl<'a> Builder<'a> {
                 let a = HcWeightedSumArgs { hc: b(hc), weights: b(weights), out: b(out), n: n as u32, n_hc };
                 self.launch(blocks(n, 256), 256, a);
             }
-            Op::HcPost { block, residual, split, out, n_hc } => self.hc_post(block, None, residual, split, out, n_hc),
+            Op::HcPost { block, residual, split, out, n_hc } => {
+                self.hc_post(block, None, residual, split, out, n_hc)?
+            }
             Op::HcHeadWeights { pre, scale, base, out, eps } => {
                 let n = self.len(pre) as u32;
                 let (scale, base) = (self.f32_weight(scale)?, self.f32_weight(base)?);
@@ -970,6 +1019,14 @@ impl<'a> Builder<'a> {
                 if self.expert_cache {
                     self.expert_cache_launches(selected, [gate, up, down], n_used as u32, n_expert);
                 }
+                // The mid vector's Q8_K is made by the last block of each slot (a ticket per
+                // slot) when a slot's rows are whole blocks of 8 warps of 2 rows.
+                let fuse_mid = self.fuse && ff.is_multiple_of(16) && ff.is_multiple_of(256);
+                let ticket = self.tickets;
+                if fuse_mid {
+                    self.tickets += n_used as u32;
+                    self.need(Scratch::Tickets, self.tickets as usize * 4);
+                }
                 let a = MoeGateUpArgs {
                     xq: Scratch::Q8KX.ptr(),
                     selected: b(selected),
@@ -978,6 +1035,8 @@ impl<'a> Builder<'a> {
                     up: Ptr::expert_table(up),
                     mid: Scratch::Mid.ptr(),
                     grid: Ptr::GRID,
+                    midq: if fuse_mid { Scratch::Q8KMid.ptr() } else { Ptr::NULL },
+                    tickets: if fuse_mid { Scratch::Tickets.ptr() } else { Ptr::NULL },
                     gate_ty,
                     up_ty,
                     in_dim: in_dim as u32,
@@ -985,7 +1044,7 @@ impl<'a> Builder<'a> {
                     n_used: n_used as u32,
                     n_expert,
                     clamp,
-                    _pad: 0,
+                    ticket,
                 };
                 // One warp per two rows of each used expert (kernels/moe.cu: MOE_ROWS_PER_WARP);
                 // IQ2_XXS has a kernel of its own (fewer registers than all three types' paths).
@@ -993,8 +1052,10 @@ impl<'a> Builder<'a> {
                 if gt.ty == GgmlType::IQ2_XXS {
                     self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_iq2_xxs";
                 }
-                let a = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
-                self.launch((n_used * ff / 256) as u32, 256, a);
+                if !fuse_mid {
+                    let a = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
+                    self.launch((n_used * ff / 256) as u32, 256, a);
+                }
                 let a = MoeDownArgs {
                     midq: Scratch::Q8KMid.ptr(),
                     selected: b(selected),
@@ -1030,7 +1091,7 @@ impl<'a> Builder<'a> {
                     if let Op::HcPost { block, residual, split, out: hc_out, n_hc } = *next[0].1 {
                         if block == out && ![a, y].contains(&hc_out) && ![residual, split].contains(&out) {
                             self.absorb(&next);
-                            self.hc_post(a, Some((y, out)), residual, split, hc_out, n_hc);
+                            self.hc_post(a, Some((y, out)), residual, split, hc_out, n_hc)?;
                             return Ok(());
                         }
                     }
@@ -1088,6 +1149,7 @@ pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, S
         ropes: Vec::new(),
         q8_of: None,
         q8k_of: None,
+        ss_of: None,
         tickets: 0,
     };
     for (i, step) in program.steps().iter().enumerate() {
@@ -1510,8 +1572,16 @@ mod tests {
         assert_eq!(count(&fused, "add"), 0);
         assert_eq!(count(&fused, "hc_pre"), 2 * layers);
         assert_eq!(count(&fused, "hc_split"), 0);
-        // The experts' input is quantized inside hc_pre; only the mid vector's launch is left.
-        assert_eq!(count(&fused, "quantize_q8_k"), layers);
+        // Every hc_pre but the token's first (after embed_hc) takes the streams' sums of squares
+        // from the hc_post launched just before it.
+        let reads_ss = |l: &Launch| l.ptr_words.iter().any(|&k| l.args[k] == Scratch::HcSumSq.ptr().0);
+        for (i, l) in fused.launches.iter().enumerate().filter(|(_, l)| l.kernel == "hc_pre") {
+            let after_post = i > 0 && fused.launches[i - 1].kernel == "hc_post";
+            assert_eq!(reads_ss(l), after_post, "hc_pre launch {i}");
+            assert_eq!(after_post, i != fused.launches.iter().position(|l| l.kernel == "hc_pre").unwrap());
+        }
+        // The experts' input is quantized inside hc_pre, the mid vector inside gate/up.
+        assert_eq!(count(&fused, "quantize_q8_k"), 0);
         // Only the indexer query's RoPE is left on its own.
         assert_eq!(count(&fused, "rope_tail"), count(&fused, "indexer_scores"));
         let mut by_kernel: std::collections::BTreeMap<&str, usize> = Default::default();
