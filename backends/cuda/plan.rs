@@ -412,7 +412,7 @@ impl<'a> Builder<'a> {
         n_hc: u32,
     ) -> Result<(), String> {
         let n = self.len(block);
-        if n % 4 != 0 || n_hc > 4 {
+        if !n.is_multiple_of(4) || n_hc > 4 {
             return Err(format!(
                 "the HC post kernel needs at most 4 streams of a multiple of 4 values, not {n_hc} of {n}"
             ));
@@ -580,8 +580,7 @@ impl<'a> Builder<'a> {
             || !n_embd.is_multiple_of(32)
             || hc_dim as usize > 64 * numerics::CHUNK
             || n_embd as usize > 64 * numerics::CHUNK
-            || mix_rows < 2 * 4 + 16
-            || mix_rows > 32
+            || !(2 * 4 + 16..=32).contains(&mix_rows)
             || n_embd > 8192
             || mix_rows * (hc_dim / numerics::CHUNK as u32) > 2048
         {
