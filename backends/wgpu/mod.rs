@@ -576,7 +576,11 @@ mod imp {
             Ok(out[..bytes as usize].to_vec())
         }
 
-        /// Times each dispatch with timestamp queries, one compute pass per dispatch.
+        /// Times each dispatch with timestamp queries, one compute pass per dispatch. A pass's
+        /// start stamp may be written before the barrier that waits for the pass before it (the
+        /// earlier profile charged shaders with their predecessors' time), so a dispatch's time
+        /// counts from the later of its own start and the previous pass's end: the times add up
+        /// to the span of the token.
         fn profile_timestamps(&self) -> Result<Vec<(String, f64)>, BackendError> {
             let n = self.dispatches.len() as u32;
             let qs = self.device.create_query_set(&wgpu::QuerySetDescriptor {
@@ -614,7 +618,8 @@ mod imp {
                 .iter()
                 .enumerate()
                 .map(|(i, d)| {
-                    (d.entry.to_string(), ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e3)
+                    let start = if i > 0 { ticks[2 * i].max(ticks[2 * i - 1]) } else { ticks[0] };
+                    (d.entry.to_string(), ticks[2 * i + 1].saturating_sub(start) as f64 * period / 1e3)
                 })
                 .collect())
         }
