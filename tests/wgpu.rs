@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use ds4::backend::{Backend, BackendKind, BackendOptions};
 use ds4::backends::cpu::CpuBackend;
@@ -16,14 +16,6 @@ use ds4::session::Session;
 use ds4::synth::{self, Preset};
 
 use common::{golden, golden_tokens};
-
-/// One test at a time: lavapipe (Mesa 22.3) holds on to tens of MB per decoded token until the
-/// device is dropped (heaptrack: live allocations in its queue thread, released at exit), so the
-/// long tests side by side outgrow a 24 GB machine; one after another each frees its device.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static GPU: Mutex<()> = Mutex::new(());
-    GPU.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn wgpu_backend() -> Box<dyn Backend> {
     let opts = BackendOptions { threads: 0, graphs: false, numerics: Numerics::Canonical, ..Default::default() };
@@ -61,7 +53,6 @@ fn compare(model: &Arc<Model>, gpu: &dyn Backend, tokens: &[u32], extra: usize, 
 
 #[test]
 fn wgpu_equals_canonical_cpu_on_the_golden_tokens_then_greedy() {
-    let _gpu = one_at_a_time();
     let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
     let tokens = golden_tokens();
     let gpu = wgpu_backend();
@@ -73,7 +64,6 @@ fn wgpu_equals_canonical_cpu_on_the_golden_tokens_then_greedy() {
 /// on lavapipe is one invocation per row, so this forces the other shape, on fewer tokens.
 #[test]
 fn wgpu_32_lane_rows_equal_canonical_cpu_on_the_golden_tokens() {
-    let _gpu = one_at_a_time();
     let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
     let tokens = golden_tokens();
     let gpu = wgpu_tuned(Tuning { rows_per_invocation: Some(false), ..Tuning::default() });
@@ -84,7 +74,6 @@ fn wgpu_32_lane_rows_equal_canonical_cpu_on_the_golden_tokens() {
 /// (`moe_gate_up` / `moe_down` with fewer lanes per row), which tiny's 1-block rows do not show.
 #[test]
 fn wgpu_32_lane_rows_equal_canonical_cpu_on_small_tokens() {
-    let _gpu = one_at_a_time();
     let model = preset_model(&Preset::small());
     let gpu = wgpu_tuned(Tuning { rows_per_invocation: Some(false), ..Tuning::default() });
     assert_eq!(compare(&model, &gpu, &[1, 7, 300, 42], 4, 64), 8);
@@ -92,7 +81,6 @@ fn wgpu_32_lane_rows_equal_canonical_cpu_on_small_tokens() {
 
 #[test]
 fn wgpu_equals_canonical_cpu_over_200_small_tokens() {
-    let _gpu = one_at_a_time();
     let model = preset_model(&Preset::small());
     let gpu = wgpu_backend();
     assert_eq!(compare(&model, gpu.as_ref(), &[1, 7, 300, 42], 196, 256), 200);
@@ -103,7 +91,6 @@ fn wgpu_equals_canonical_cpu_over_200_small_tokens() {
 /// experts into 2-expert ranges), and the results keep every bit, in both matvec shapes.
 #[test]
 fn weights_split_over_small_bindings_give_the_same_bits() {
-    let _gpu = one_at_a_time();
     let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
     let tokens = golden_tokens();
     for rows in [true, false] {
@@ -121,13 +108,11 @@ fn weights_split_over_small_bindings_give_the_same_bits() {
 
 #[test]
 fn wgpu_refuses_positions_and_tokens_out_of_range() {
-    let _gpu = one_at_a_time();
     common::assert_refuses_positions_and_tokens_out_of_range(wgpu_backend().as_ref());
 }
 
 #[test]
 fn an_adapter_that_is_not_there_is_a_clear_error() {
-    let _gpu = one_at_a_time();
     let e = WgpuBackend::new(Some("no-such-adapter-xyz"), Tuning::default()).err().expect("no such adapter");
     assert!(e.to_string().contains("no-such-adapter-xyz") && e.to_string().contains("adapters found"), "{e}");
 }
