@@ -1279,20 +1279,28 @@ impl DecodedRow {
 mod tests {
     use super::*;
 
-    /// Eight interleaved F16 dots have the bits of eight sequential ones.
-    #[test]
-    fn interleaved_f16_dots_equal_the_sequential_dot() {
-        let mut state = 0x1234_5678_9abc_def1u64;
-        let mut next = || {
+    /// A xorshift64 stream: test data that is the same on every run.
+    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             state
-        };
+        }
+    }
+
+    /// A random F16 row of `n` values in [-1, 1]: its bytes and its values as f32.
+    fn f16_row(n: usize, next: &mut impl FnMut() -> u64) -> (Vec<u8>, Vec<f32>) {
+        let w16: Vec<u16> = (0..n).map(|_| f32_to_f16((next() % 20001) as f32 / 10000.0 - 1.0)).collect();
+        (w16.iter().flat_map(|h| h.to_le_bytes()).collect(), w16.iter().map(|&h| f16_to_f32(h)).collect())
+    }
+
+    /// Eight interleaved F16 dots have the bits of eight sequential ones.
+    #[test]
+    fn interleaved_f16_dots_equal_the_sequential_dot() {
+        let mut next = xorshift(0x1234_5678_9abc_def1);
         for n in [1usize, 7, 512, 1000] {
-            let w16: Vec<u16> = (0..n).map(|_| f32_to_f16((next() % 20001) as f32 / 10000.0 - 1.0)).collect();
-            let bytes: Vec<u8> = w16.iter().flat_map(|h| h.to_le_bytes()).collect();
-            let w32: Vec<f32> = w16.iter().map(|&h| f16_to_f32(h)).collect();
+            let (bytes, w32) = f16_row(n, &mut next);
             let xs: Vec<Vec<f32>> =
                 (0..8).map(|_| (0..n).map(|_| (next() % 2_000_001) as f32 / 1_000_000.0 - 1.0).collect()).collect();
             let x8: Vec<f32> = (0..n).flat_map(|i| xs.iter().map(move |x| x[i])).collect();
@@ -1307,18 +1315,10 @@ mod tests {
     /// Lane-order F16 dots have the bits of the canonical F16 dot for whole and short chunks.
     #[test]
     fn lane_major_dots_equal_the_canonical_f16_dot() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for n in [8usize, 504, 512, 1024, 1536 + 8, 4096, 16384 + 136] {
-            let w16: Vec<u16> = (0..n).map(|_| f32_to_f16((next() % 20001) as f32 / 10000.0 - 1.0)).collect();
+            let (bytes, w32) = f16_row(n, &mut next);
             let x: Vec<f32> = (0..n).map(|_| ((next() % 2_000_001) as f32 / 1_000_000.0 - 1.0) * 3.0).collect();
-            let bytes: Vec<u8> = w16.iter().flat_map(|h| h.to_le_bytes()).collect();
-            let w32: Vec<f32> = w16.iter().map(|&h| f16_to_f32(h)).collect();
             let (mut wt, mut xt) = (vec![0.0; n], vec![0.0; n]);
             to_lane_major(&w32, &mut wt);
             to_lane_major(&x, &mut xt);
@@ -1332,13 +1332,7 @@ mod tests {
     /// and for the extremes the formats reach, block by block too.
     #[test]
     fn integer_dots_equal_the_plain_loop() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for n in [0usize, 1, 15, 16, 17, 32, 33, 256, 257] {
             for range in [128i64, 2048, 16384] {
                 let a: Vec<i16> = (0..n).map(|_| (next() as i64 % range) as i16).collect();

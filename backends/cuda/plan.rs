@@ -1019,8 +1019,9 @@ impl<'a> Builder<'a> {
                     self.expert_cache_launches(selected, [gate, up, down], n_used as u32, n_expert);
                 }
                 // The mid vector's Q8_K is made by the last block of each slot (a ticket per
-                // slot) when a slot's rows are whole blocks of 8 warps of 2 rows.
-                let fuse_mid = self.fuse && ff.is_multiple_of(16) && ff.is_multiple_of(256);
+                // slot) when the slot is whole Q8_K blocks, so its rows are also whole blocks of
+                // 8 warps of 2 rows (the kernel's ff % 16 == 0).
+                let fuse_mid = self.fuse && ff.is_multiple_of(256);
                 let ticket = self.tickets;
                 if fuse_mid {
                     self.tickets += n_used as u32;
