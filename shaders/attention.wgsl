@@ -36,6 +36,32 @@ fn row_value(rs: Rows, r: u32, hd: u32, i: u32) -> f32 {
     return COMP[c * hd + i];
 }
 
+// The partial sums lane `lane` adds for rows rows.x .. rows.w (each clamped to the last row; the
+// caller keeps only rows below n_rows) of the f32 chunk that starts at dim c0 (4 consecutive per
+// step), each as the canonical dot adds them: every load of the four rows first, then the sums.
+fn score_chunk(rs: Rows, h: u32, hd: u32, c0: u32, lane: u32, rows: vec4<u32>, n_rows: u32) -> vec4<f32> {
+    let r = min(rows, vec4<u32>(n_rows - 1u));
+    var acc = vec4<f32>(zero());
+    for (var u = 0u; u < 4u; u = u + 1u) {
+        let base = c0 + u * 128u + lane * 4u;
+        for (var v = 0u; v < 4u; v = v + 1u) {
+            let i = base + v;
+            if (i < hd) {
+                let q = Q[h * hd + i];
+                let k0 = row_value(rs, r.x, hd, i);
+                let k1 = row_value(rs, r.y, hd, i);
+                let k2 = row_value(rs, r.z, hd, i);
+                let k3 = row_value(rs, r.w, hd, i);
+                acc.x = fadd(acc.x, fmul(q, k0));
+                acc.y = fadd(acc.y, fmul(q, k1));
+                acc.z = fadd(acc.z, fmul(q, k2));
+                acc.w = fadd(acc.w, fmul(q, k3));
+            }
+        }
+    }
+    return acc;
+}
+
 // args: head_dim, window, raw_cap, ratio (0: no compressed rows), comp_cap, top_k, max_rows,
 // kq_scale, has_selected.
 @compute @workgroup_size(256)
@@ -61,24 +87,28 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let sc = h * max_rows;
     let lane = lid % 32u;
 
-    for (var rb = 0u; rb < n_rows; rb = rb + 8u) {
-        let r = min(rb + lid / 32u, n_rows - 1u);
-        var total = zero();
+    // 32 rows per round, 4 per 32-lane group (rows g, g + 8, g + 16, g + 24 of the round): the
+    // four rows' loads are in flight together, then the four butterflies.
+    for (var rb = 0u; rb < n_rows; rb = rb + 32u) {
+        let r0 = rb + lid / 32u;
+        var total = vec4<f32>(zero());
         for (var c0 = 0u; c0 < hd; c0 = c0 + 512u) {
-            var acc = zero();
-            for (var u = 0u; u < 4u; u = u + 1u) {
-                let base = c0 + u * 128u + lane * 4u;
-                for (var v = 0u; v < 4u; v = v + 1u) {
-                    let i = base + v;
-                    if (i < hd) {
-                        acc = fadd(acc, fmul(Q[h * hd + i], row_value(rs, r, hd, i)));
-                    }
-                }
+            let acc = score_chunk(rs, h, hd, c0, lane, vec4<u32>(r0, r0 + 8u, r0 + 16u, r0 + 24u), n_rows);
+            total.x = fadd(total.x, lane_sum(acc.x, lid));
+            if (rb + 8u < n_rows) {
+                total.y = fadd(total.y, lane_sum(acc.y, lid));
             }
-            total = fadd(total, lane_sum(acc, lid));
+            if (rb + 16u < n_rows) {
+                total.z = fadd(total.z, lane_sum(acc.z, lid));
+            }
+            if (rb + 24u < n_rows) {
+                total.w = fadd(total.w, lane_sum(acc.w, lid));
+            }
         }
-        if (lane == 0u && rb + lid / 32u < n_rows) {
-            SCORES[sc + r] = fmul(total, kq_scale);
+        for (var k = 0u; k < 4u; k = k + 1u) {
+            if (lane == 0u && r0 + 8u * k < n_rows) {
+                SCORES[sc + r0 + 8u * k] = fmul(total[k], kq_scale);
+            }
         }
     }
     storageBarrier();
@@ -87,12 +117,16 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     for (var r = lid; r < n_rows; r = r + 256u) {
         m = max(m, SCORES[sc + r]);
     }
+    // The largest score by a tree (max is exact in any order).
     shared_max[lid] = m;
     workgroupBarrier();
-    m = sink;
-    for (var t = 0u; t < 256u; t = t + 1u) {
-        m = max(m, shared_max[t]);
+    for (var off = 128u; off > 0u; off = off / 2u) {
+        if (lid < off) {
+            shared_max[lid] = max(shared_max[lid], shared_max[lid + off]);
+        }
+        workgroupBarrier();
     }
+    m = shared_max[0];
     storageBarrier();
     for (var r = lid; r < n_rows; r = r + 256u) {
         SCORES[sc + r] = ds4_exp(fsub(SCORES[sc + r], m));

@@ -38,17 +38,20 @@ fn embed_hc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     }
 }
 
-// The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n.
-var<workgroup> cm: array<f32, 64>;
+// The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n. Two
+// buffers of 64, used in turn (`cm_at`: the one the last `share` wrote).
+var<workgroup> cm: array<f32, 128>;
+var<private> cm_at: u32;
 // The split [pre | post | comb] once Sinkhorn is done (n_hc at most 8: 2n + n*n <= 80 values).
 var<workgroup> sp: array<f32, 80>;
 
-// Element k of the combine matrix after every live invocation wrote its own: the write, then a
-// barrier before the reads, and one after them so that the next write cannot overtake a read.
+// Element k of the combine matrix after every live invocation wrote its own, in the buffer the
+// previous call did not write: every read of that buffer came before the previous call's
+// barrier, so one barrier (between the write and the reads) is enough.
 fn share(k: u32, v: f32, live: bool) {
-    workgroupBarrier();
+    cm_at = 64u - cm_at;
     if (live) {
-        cm[k] = v;
+        cm[cm_at + k] = v;
     }
     workgroupBarrier();
 }
@@ -75,13 +78,13 @@ fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
     share(lid, c, live);
     var mx = -1.0e30;
     for (var s = 0u; s < n; s = s + 1u) {
-        mx = max(mx, cm[row + s]);
+        mx = max(mx, cm[cm_at + row + s]);
     }
     c = ds4_exp(fsub(c, mx));
     share(lid, c, live);
     var sum = zero();
     for (var s = 0u; s < n; s = s + 1u) {
-        sum = fadd(sum, cm[row + s]);
+        sum = fadd(sum, cm[cm_at + row + s]);
     }
     c = fadd(fmul(c, fdiv(1.0, sum)), eps);
     for (var it = 0u; it < iters; it = it + 1u) {
@@ -90,7 +93,7 @@ fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
             share(lid, c, live);
             var t = zero();
             for (var s = 0u; s < n; s = s + 1u) {
-                t = fadd(t, cm[row + s]);
+                t = fadd(t, cm[cm_at + row + s]);
             }
             c = fmul(c, fdiv(1.0, fadd(t, eps)));
         }
@@ -98,7 +101,7 @@ fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
         share(lid, c, live);
         var t = zero();
         for (var d = 0u; d < n; d = d + 1u) {
-            t = fadd(t, cm[src + d * n]);
+            t = fadd(t, cm[cm_at + src + d * n]);
         }
         c = fmul(c, fdiv(1.0, fadd(t, eps)));
     }
@@ -183,13 +186,19 @@ fn hc_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     if (i >= n * n_hc) {
         return;
     }
+    OUT[i] = post_mix(B0[i % n], i, n, n_hc);
+}
+
+// hc_post's output i (stream dst = i / n, dim d = i % n) for block value `block`:
+// post[dst] * block + the residual streams weighted by comb, src ascending (residual: B1, split: B2).
+fn post_mix(block: f32, i: u32, n: u32, n_hc: u32) -> f32 {
     let dst = i / n;
     let d = i % n;
-    var acc = fmul(B0[d], B2[n_hc + dst]);
+    var acc = fmul(block, B2[n_hc + dst]);
     for (var src = 0u; src < n_hc; src = src + 1u) {
         acc = fadd(acc, fmul(B2[2u * n_hc + dst + src * n_hc], B1[src * n + d]));
     }
-    OUT[i] = acc;
+    return acc;
 }
 
 // args: n, eps. w = sigmoid(pre*scale + base) + eps (pre: B0, scale: V0, base: V1).
@@ -217,15 +226,10 @@ fn hc_post_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (i >= n * n_hc) {
         return;
     }
-    let dst = i / n;
     let d = i % n;
-    let block = o(B0[d] + B3[d]);
-    if (dst == 0u) {
+    let block = fadd(B0[d], B3[d]);
+    if (i < n) {
         SUM[d] = block;
     }
-    var acc = fmul(block, B2[n_hc + dst]);
-    for (var src = 0u; src < n_hc; src = src + 1u) {
-        acc = fadd(acc, fmul(B2[2u * n_hc + dst + src * n_hc], B1[src * n + d]));
-    }
-    OUT[i] = acc;
+    OUT[i] = post_mix(block, i, n, n_hc);
 }

@@ -393,20 +393,35 @@ fn w4(i: u32) -> vec4<u32> {
     return vec4<u32>(ws(i), ws(i + 1u), ws(i + 2u), ws(i + 3u));
 }
 
+// What lane `lane` reads of a whole F16 chunk that starts at term c0: 16 weights (two vectors
+// of 4 words of 2 halves) and their 16 inputs as `xv` reads them.
+struct F16Terms {
+    a: vec4<u32>,
+    b: vec4<u32>,
+    p0: vec4<f32>,
+    p1: vec4<f32>,
+    q0: vec4<f32>,
+    q1: vec4<f32>,
+}
+
+fn load_f16(wr: u32, xg: u32, c0: u32, lane: u32, xs: f32, scaled: bool) -> F16Terms {
+    let i0 = c0 + lane * 8u;
+    return F16Terms(w4((wr + i0) / 2u), w4((wr + i0 + 256u) / 2u), x4(xg + i0, xs, scaled),
+                    x4(xg + i0 + 4u, xs, scaled), x4(xg + i0 + 256u, xs, scaled), x4(xg + i0 + 260u, xs, scaled));
+}
+
+// Their 16 products added in order from +0.
+fn f16_terms(t: F16Terms) -> f32 {
+    return add8_f16(add8_f16(zero(), t.a, t.p0, t.p1), t.b, t.q0, t.q1);
+}
+
 // The 16 terms lane `lane` adds of the F16 chunk that starts at term c0 (8 consecutive per step;
 // row wr and vector xg are term offsets); the input as `xv` reads it.
 fn chunk_f16(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32, xs: f32, scaled: bool) -> f32 {
     var acc = zero();
     if (c0 + 512u <= in_dim) {
         // A whole chunk: every load first, then the adds in order.
-        let i0 = c0 + lane * 8u;
-        let a = w4((wr + i0) / 2u);
-        let b = w4((wr + i0 + 256u) / 2u);
-        let p0 = x4(xg + i0, xs, scaled);
-        let p1 = x4(xg + i0 + 4u, xs, scaled);
-        let q0 = x4(xg + i0 + 256u, xs, scaled);
-        let q1 = x4(xg + i0 + 260u, xs, scaled);
-        return add8_f16(add8_f16(acc, a, p0, p1), b, q0, q1);
+        return f16_terms(load_f16(wr, xg, c0, lane, xs, scaled));
     }
     for (var u = 0u; u < 2u; u = u + 1u) {
         let base = c0 + u * 256u + lane * 8u;
@@ -449,6 +464,15 @@ fn chunk_f32(wr: u32, xg: u32, c0: u32, in_dim: u32, lane: u32) -> f32 {
     return acc;
 }
 
+// Chunk c's sum from its group's lane sums, kept (c < n_chunks) for the ordered total. Call in
+// uniform control flow.
+fn keep_part(acc: f32, c: u32, n_chunks: u32, lid: u32) {
+    let s = lane_sum(acc, lid);
+    if (c < n_chunks && lid % 32u == 0u) {
+        part[c] = s;
+    }
+}
+
 // One row per workgroup, chunk c on lane group c % 8, the chunk sums added in chunk order by
 // invocation 0. F16 or F32 weights (`is_f16` is the same for every invocation of a dispatch);
 // F16 inputs as `xv` reads them. With rows2 = arg(5) > 0 (ungrouped matrices only), workgroups
@@ -469,19 +493,40 @@ fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool, xs: f32
     }
     let wr = rr * in_dim;
     let n_chunks = (in_dim + 511u) / 512u;
-    for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
-        let c = cb + lid / 32u;
-        var acc = zero();
-        if (c < n_chunks) {
-            if (is_f16) {
-                acc = chunk_f16(wr, xg, c * 512u, in_dim, lane, xs, scaled);
-            } else {
-                acc = chunk_f32(wr, xg, c * 512u, in_dim, lane);
+    if (is_f16 && n_chunks > 8u && in_dim % 512u == 0u) {
+        // Long F16 rows of whole chunks (the HC mixes: 32 chunks on Flash): rounds of 4 chunks
+        // per group (g, g + 8, g + 16, g + 24), all four loaded before the first butterfly, as
+        // row_scale does. Past the last chunk a group reloads the last one and keeps nothing.
+        let last = n_chunks - 1u;
+        for (var cb = 0u; cb < n_chunks; cb = cb + 32u) {
+            let c = cb + lid / 32u;
+            let t0 = load_f16(wr, xg, min(c, last) * 512u, lane, xs, scaled);
+            let t1 = load_f16(wr, xg, min(c + 8u, last) * 512u, lane, xs, scaled);
+            let t2 = load_f16(wr, xg, min(c + 16u, last) * 512u, lane, xs, scaled);
+            let t3 = load_f16(wr, xg, min(c + 24u, last) * 512u, lane, xs, scaled);
+            keep_part(f16_terms(t0), c, n_chunks, lid);
+            if (cb + 8u < n_chunks) {
+                keep_part(f16_terms(t1), c + 8u, n_chunks, lid);
+            }
+            if (cb + 16u < n_chunks) {
+                keep_part(f16_terms(t2), c + 16u, n_chunks, lid);
+            }
+            if (cb + 24u < n_chunks) {
+                keep_part(f16_terms(t3), c + 24u, n_chunks, lid);
             }
         }
-        let s = lane_sum(acc, lid);
-        if (c < n_chunks && lane == 0u) {
-            part[c] = s;
+    } else {
+        for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
+            let c = cb + lid / 32u;
+            var acc = zero();
+            if (c < n_chunks) {
+                if (is_f16) {
+                    acc = chunk_f16(wr, xg, c * 512u, in_dim, lane, xs, scaled);
+                } else {
+                    acc = chunk_f32(wr, xg, c * 512u, in_dim, lane);
+                }
+            }
+            keep_part(acc, c, n_chunks, lid);
         }
     }
     workgroupBarrier();

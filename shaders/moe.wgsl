@@ -3,16 +3,24 @@
 // IQ2_XXS (16), Q2_K (10) or Q4_K (12), per tensor. An expert tensor larger than a storage
 // binding is split into expert ranges [e0, e1), one dispatch per range.
 //
-// Q8_K scratch layout (words), for nb blocks: d (f32) [0, nb), bsums (i32) [nb, 17nb),
-// packed signed quants [17nb, 81nb).
+// Expert weights are in the split layout (backends/gpu_tables.rs, repacked at upload per expert
+// range): the quants of every block (64 bytes for IQ2_XXS and Q2_K, 128 for Q4_K; whole 16-byte
+// vectors), then the rest of every block (IQ2_XXS: d; Q2_K: 16 scale bytes, d, dmin; Q4_K: d,
+// dmin, 12 scale bytes). Block i of a range's nblk blocks is read as vectors.
+//
+// Q8_K scratch layout (words), for nb blocks: packed signed quants [0, 64nb) (block b's from
+// word 64b: whole vectors), d (f32) [64nb, 65nb), bsums (i32) [65nb, 81nb).
 
-@group(0) @binding(2) var<storage, read> GATE: array<u32>;
-@group(0) @binding(3) var<storage, read> UP: array<u32>;
-@group(0) @binding(4) var<storage, read> DOWN: array<u32>;
+@group(0) @binding(2) var<storage, read> GATE: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> UP: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> DOWN: array<vec4<u32>>;
+// The Q8_K blocks as quantize_q8_k writes them (words) and as the experts read them (vectors:
+// the input's, XQ4, and the mid vectors', MQ4). The backend pads both to whole vectors.
 @group(0) @binding(5) var<storage, read_write> XQ: array<u32>;
-@group(0) @binding(6) var<storage, read_write> MQ: array<u32>;
+@group(0) @binding(5) var<storage, read> XQ4: array<vec4<u32>>;
+@group(0) @binding(6) var<storage, read> MQ4: array<vec4<u32>>;
 // The IQ2_XXS grid: 256 entries of 8 bytes.
-@group(0) @binding(7) var<storage, read> GRID: array<u32>;
+@group(0) @binding(7) var<storage, read> GRID: array<vec2<u32>>;
 @group(0) @binding(8) var<storage, read_write> SELECTED: array<i32>;
 @group(0) @binding(9) var<storage, read_write> WEIGHTS: array<f32>;
 // quantize_q8_k's input, moe_gate_up's output (mid), moe_down's per-slot partial sums.
@@ -24,11 +32,25 @@
 
 var<workgroup> probs: array<f32, 1024>;
 var<workgroup> choice: array<f32, 1024>;
+// The top-k rounds' tree: each invocation's best candidate (value, expert), then pairs merged.
+var<workgroup> best_v: array<f32, 256>;
+var<workgroup> best_i: array<u32, 256>;
+var<workgroup> sel_sh: array<i32, 16>;
+
+const NO_EXPERT: u32 = 0xffffffffu;
+
+// Whether candidate (v2, i2) beats (v, i): the larger value, the lower expert on ties; any
+// candidate beats none.
+fn beats(v2: f32, i2: u32, v: f32, i: u32) -> bool {
+    return i2 != NO_EXPERT && (i == NO_EXPERT || v2 > v || (v2 == v && i2 < i));
+}
 
 // args: n_expert (at most 1024), n_used (at most 16), scale, has_bias, has_hash. logits: F0;
 // p = sqrt(softplus(logit)); experts from the hash table (by token) or the top n_used of
-// p + bias, kept as the CPU's insertion does (larger first, lower expert on ties); weights
-// p[sel] / max(sum, 2^-14) * scale.
+// p + bias in the order the CPU's insertion keeps them (larger first, lower expert on ties):
+// n_used rounds, each the best expert not yet taken, found by every invocation over its own
+// experts (lid, lid + 256, ...) and a tree over the 256 (kernels/moe.cu: a warp argmax per
+// round). Weights p[sel] / max(sum, 2^-14) * scale, by invocation 0.
 @compute @workgroup_size(256)
 fn router_select(@builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
@@ -54,30 +76,51 @@ fn router_select(@builtin(local_invocation_index) lid: u32) {
         }
     }
     workgroupBarrier();
+    if (arg(4u) != 0u) {
+        if (lid < n_used) {
+            sel_sh[lid] = HASH[P.token * n_used + lid];
+        }
+    } else {
+        // Bit j of `taken`: expert lid + 256 j is chosen (at most 4 per invocation).
+        var taken = 0u;
+        for (var k = 0u; k < n_used; k = k + 1u) {
+            var v = 0.0;
+            var idx = NO_EXPERT;
+            for (var j = 0u; lid + 256u * j < n; j = j + 1u) {
+                let i = lid + 256u * j;
+                if ((taken & (1u << j)) == 0u && beats(choice[i], i, v, idx)) {
+                    v = choice[i];
+                    idx = i;
+                }
+            }
+            best_v[lid] = v;
+            best_i[lid] = idx;
+            workgroupBarrier();
+            for (var off = 128u; off > 0u; off = off / 2u) {
+                if (lid < off && beats(best_v[lid + off], best_i[lid + off], best_v[lid], best_i[lid])) {
+                    best_v[lid] = best_v[lid + off];
+                    best_i[lid] = best_i[lid + off];
+                }
+                workgroupBarrier();
+            }
+            let win = best_i[0];
+            if (win != NO_EXPERT && win % 256u == lid) {
+                taken = taken | (1u << (win / 256u));
+            }
+            if (lid == 0u) {
+                sel_sh[k] = select(-1, i32(win), win != NO_EXPERT);
+            }
+            // The next round's writes wait for every read of this one.
+            workgroupBarrier();
+        }
+    }
+    workgroupBarrier();
     if (lid != 0u) {
         return;
     }
     var sel: array<i32, 16>;
-    if (arg(4u) != 0u) {
-        for (var k = 0u; k < n_used; k = k + 1u) {
-            sel[k] = HASH[P.token * n_used + k];
-        }
-    } else {
-        for (var k = 0u; k < n_used; k = k + 1u) {
-            sel[k] = -1;
-        }
-        for (var i = 0u; i < n; i = i + 1u) {
-            let s = choice[i];
-            for (var j = 0u; j < n_used; j = j + 1u) {
-                if (sel[j] < 0 || s > choice[sel[j]]) {
-                    for (var m = n_used - 1u; m > j; m = m - 1u) {
-                        sel[m] = sel[m - 1u];
-                    }
-                    sel[j] = i32(i);
-                    break;
-                }
-            }
-        }
+    for (var k = 0u; k < n_used; k = k + 1u) {
+        sel[k] = sel_sh[k];
     }
     var sum = zero();
     var w: array<f32, 16>;
@@ -107,18 +150,18 @@ fn quantize_q8_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     let b = wid.x;
     let k = q8k_block(F0[b * 256u + lid], lid);
     if (lid < 64u) {
-        XQ[17u * nb + b * 64u + lid] = k.word;
+        XQ[b * 64u + lid] = k.word;
     }
     if (lid < 16u) {
-        XQ[nb + b * 16u + lid] = k.bsum;
+        XQ[65u * nb + b * 16u + lid] = k.bsum;
     }
     if (lid == 0u) {
-        XQ[b] = k.d;
+        XQ[64u * nb + b] = k.d;
     }
 }
 
-// Word i of weight tensor `t` (0: gate, 1: up, 2: down).
-fn wword(t: u32, i: u32) -> u32 {
+// Vector i of weight tensor `t` (0: gate, 1: up, 2: down), and word i.
+fn wvec(t: u32, i: u32) -> vec4<u32> {
     if (t == 0u) {
         return GATE[i];
     }
@@ -127,32 +170,41 @@ fn wword(t: u32, i: u32) -> u32 {
     }
     return DOWN[i];
 }
-// The f16 at byte i (even: it never straddles two words), one word load.
-fn wu16(t: u32, i: u32) -> u32 {
-    return (wword(t, i / 4u) >> ((i % 4u) * 8u)) & 0xffffu;
+fn wword(t: u32, i: u32) -> u32 {
+    return wvec(t, i / 4u)[i % 4u];
 }
 // Byte i of a vector of 4 words held in registers.
 fn vbyte(v: vec4<u32>, i: u32) -> u32 {
     return (v[i / 4u] >> ((i % 4u) * 8u)) & 255u;
 }
-// A u32 that starts half a word into lo (its high half, then hi's low half) when `straddle`,
-// else lo itself.
-fn funnel16(lo: u32, hi: u32, straddle: bool) -> u32 {
-    return select(lo, (lo >> 16u) | (hi << 16u), straddle);
-}
 
-// Q8_K block b of the activation (0: XQ, 1: MQ) with nb blocks: d, bsum j.
-fn qd(a: u32, nb: u32, b: u32) -> f32 {
+// Vector i and word i of the Q8_K activation `a` (0: XQ4, the input's; 1: MQ4, the mid vectors').
+fn avec(a: u32, i: u32) -> vec4<u32> {
     if (a == 0u) {
-        return bitcast<f32>(XQ[b]);
+        return XQ4[i];
     }
-    return bitcast<f32>(MQ[b]);
+    return MQ4[i];
+}
+fn aword(a: u32, i: u32) -> u32 {
+    return avec(a, i / 4u)[i % 4u];
+}
+// Q8_K block b (of nb) of activation a: d, bsum j.
+fn qd(a: u32, nb: u32, b: u32) -> f32 {
+    return bitcast<f32>(aword(a, 64u * nb + b));
 }
 fn qbsum(a: u32, nb: u32, b: u32, j: u32) -> i32 {
-    if (a == 0u) {
-        return i32(XQ[nb + b * 16u + j]);
+    return i32(aword(a, 65u * nb + 16u * b + j));
+}
+
+// The IQ2_XXS grid in workgroup memory: its lookups are random, so they stay on the chip.
+var<workgroup> grid_sh: array<vec2<u32>, 256>;
+
+// Every invocation of a workgroup of `size` calls this first, in uniform control flow.
+fn load_grid(lid: u32, size: u32) {
+    for (var i = lid; i < 256u; i = i + size) {
+        grid_sh[i] = GRID[i];
     }
-    return i32(MQ[nb + b * 16u + j]);
+    workgroupBarrier();
 }
 
 // Q4_K 6-bit scale and min of sub-block j (0..8) from its 12 scale bytes (bytes 0..12 of sc).
@@ -165,77 +217,83 @@ fn q4k_scale_min(sc: vec4<u32>, j: u32) -> vec2<i32> {
     return vec2<i32>(i32(s), i32(m));
 }
 
-// Word k (4 quants) of Q8_K block (a, nb, b).
-fn qword(a: u32, nb: u32, b: u32, k: u32) -> u32 {
-    if (a == 0u) {
-        return XQ[17u * nb + b * 64u + k];
-    }
-    return MQ[17u * nb + b * 64u + k];
-}
-
 // 0xff in each byte whose bit (of the low 4) is set.
 fn byte_mask(bits: u32) -> u32 {
     return select(0u, 0xffu, (bits & 1u) != 0u) | select(0u, 0xff00u, (bits & 2u) != 0u)
         | select(0u, 0xff0000u, (bits & 4u) != 0u) | select(0u, 0xff000000u, (bits & 8u) != 0u);
 }
 
-// The term of one 256-block (its first byte at `at`) of tensor t of type ty against activation
-// block (a, nb, b): the integer sums (packed 4x8 dot products) are exact in any order; the float
-// combination is ds4's.
-fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
+// IQ2_XXS: 8 values of grid entry gi with 7 sign bits (the 8th makes the count of negatives
+// even) against two activation words. Grid bytes are below 128, so a negated byte is the same
+// bytes subtracted.
+fn iq2_group(gi: u32, signs7: u32, q0: u32, q1: u32) -> i32 {
+    let signs = signs7 | ((countOneBits(signs7) & 1u) << 7u);
+    let g = grid_sh[gi];
+    let m0 = byte_mask(signs);
+    let m1 = byte_mask(signs >> 4u);
+    return dot4I8Packed(g.x & ~m0, q0) - dot4I8Packed(g.x & m0, q0) + dot4I8Packed(g.y & ~m1, q1)
+        - dot4I8Packed(g.y & m1, q1);
+}
+
+// IQ2_XXS: one sub-block of 32 values (aux0: 4 grid indices; aux1: 4x7 sign bits and a 4-bit
+// scale) against its 8 activation words (qa, qb), times the sub-block's scale.
+fn iq2_sub(aux0: u32, aux1: u32, qa: vec4<u32>, qb: vec4<u32>) -> i32 {
+    let s = iq2_group(aux0 & 255u, aux1 & 127u, qa.x, qa.y) + iq2_group((aux0 >> 8u) & 255u, (aux1 >> 7u) & 127u, qa.z, qa.w)
+        + iq2_group((aux0 >> 16u) & 255u, (aux1 >> 14u) & 127u, qb.x, qb.y)
+        + iq2_group(aux0 >> 24u, (aux1 >> 21u) & 127u, qb.z, qb.w);
+    return s * i32(2u * (aux1 >> 28u) + 1u);
+}
+
+// The term of block bi (of the range's nblk) of tensor t of type ty against activation block
+// (a, nb, b): the integer sums (packed 4x8 dot products) are exact in any order; the float
+// combination is ds4's. Quants and activations are read as 16-byte vectors, the weight's all
+// before the first sum.
+fn block_term(t: u32, ty: u32, bi: u32, nblk: u32, a: u32, nb: u32, b: u32) -> f32 {
     let yd = qd(a, nb, b);
+    // The activation block's first vector.
+    let ab = 16u * b;
     if (ty == 16u) {
-        // IQ2_XXS: f16 d, then per 32 values two u32: 4 grid indices, 4x7 sign bits + 4-bit scale.
-        // Grid bytes are below 128, so a negated byte is the same bytes subtracted. Blocks are
-        // 66 bytes, so a block's u32s start on a word or half a word past one: whole-word loads,
-        // joined where they straddle (3 loads per 8 bytes instead of one per byte).
-        let straddle = (at % 4u) == 0u;
-        let w0 = (at + 2u) / 4u;
-        var bsum = 0;
-        for (var ib = 0u; ib < 8u; ib = ib + 1u) {
-            let a0 = wword(t, w0 + 2u * ib);
-            let a1 = wword(t, w0 + 2u * ib + 1u);
-            let a2 = wword(t, w0 + 2u * ib + 2u);
-            let aux0 = funnel16(a0, a1, straddle);
-            let aux1 = funnel16(a1, a2, straddle);
-            var sumi = 0;
-            for (var l = 0u; l < 4u; l = l + 1u) {
-                let gi = (aux0 >> (8u * l)) & 255u;
-                var signs = (aux1 >> (7u * l)) & 127u;
-                signs = signs | ((countOneBits(signs) & 1u) << 7u);
-                let k = 8u * ib + 2u * l;
-                let g0 = GRID[gi * 2u];
-                let g1 = GRID[gi * 2u + 1u];
-                let m0 = byte_mask(signs);
-                let m1 = byte_mask(signs >> 4u);
-                let q0 = qword(a, nb, b, k);
-                let q1 = qword(a, nb, b, k + 1u);
-                sumi = sumi + dot4I8Packed(g0 & ~m0, q0) - dot4I8Packed(g0 & m0, q0);
-                sumi = sumi + dot4I8Packed(g1 & ~m1, q1) - dot4I8Packed(g1 & m1, q1);
-            }
-            bsum = bsum + sumi * i32(2u * (aux1 >> 28u) + 1u);
-        }
-        return fmul(fmul(h2f(wu16(t, at)), yd), f32(bsum));
+        // IQ2_XXS: a vector holds two sub-blocks; d is the rest.
+        let w0 = wvec(t, 4u * bi);
+        let w1 = wvec(t, 4u * bi + 1u);
+        let w2 = wvec(t, 4u * bi + 2u);
+        let w3 = wvec(t, 4u * bi + 3u);
+        let dw = wword(t, 16u * nblk + bi / 2u) >> ((bi % 2u) * 16u);
+        var bsum = iq2_sub(w0.x, w0.y, avec(a, ab), avec(a, ab + 1u));
+        bsum = bsum + iq2_sub(w0.z, w0.w, avec(a, ab + 2u), avec(a, ab + 3u));
+        bsum = bsum + iq2_sub(w1.x, w1.y, avec(a, ab + 4u), avec(a, ab + 5u));
+        bsum = bsum + iq2_sub(w1.z, w1.w, avec(a, ab + 6u), avec(a, ab + 7u));
+        bsum = bsum + iq2_sub(w2.x, w2.y, avec(a, ab + 8u), avec(a, ab + 9u));
+        bsum = bsum + iq2_sub(w2.z, w2.w, avec(a, ab + 10u), avec(a, ab + 11u));
+        bsum = bsum + iq2_sub(w3.x, w3.y, avec(a, ab + 12u), avec(a, ab + 13u));
+        bsum = bsum + iq2_sub(w3.z, w3.w, avec(a, ab + 14u), avec(a, ab + 15u));
+        return fmul(fmul(h2f(dw & 0xffffu), yd), f32(bsum));
     }
-    let w = at / 4u;
     if (ty == 10u) {
-        // Q2_K: scales[16], qs[64], f16 d, f16 dmin. Blocks are 84 bytes: word-aligned. Each
-        // word of quants and scales is loaded once.
-        let sc = vec4<u32>(wword(t, w), wword(t, w + 1u), wword(t, w + 2u), wword(t, w + 3u));
+        // Q2_K: quants of half h (128 values) in vectors 2h (low 16 bytes) and 2h + 1; the rest is
+        // 16 scale bytes, then d and dmin (20 bytes: word-aligned).
+        let q0 = wvec(t, 4u * bi);
+        let q1 = wvec(t, 4u * bi + 1u);
+        let q2 = wvec(t, 4u * bi + 2u);
+        let q3 = wvec(t, 4u * bi + 3u);
+        let r = 16u * nblk + 5u * bi;
+        let sc = vec4<u32>(wword(t, r), wword(t, r + 1u), wword(t, r + 2u), wword(t, r + 3u));
+        let dd = wword(t, r + 4u);
         var isum = 0;
         for (var half = 0u; half < 2u; half = half + 1u) {
-            let q = w + 4u + 8u * half;
-            let ql = vec4<u32>(wword(t, q), wword(t, q + 1u), wword(t, q + 2u), wword(t, q + 3u));
-            let qh = vec4<u32>(wword(t, q + 4u), wword(t, q + 5u), wword(t, q + 6u), wword(t, q + 7u));
+            let ql = select(q0, q2, half == 1u);
+            let qh = select(q1, q3, half == 1u);
             for (var j = 0u; j < 4u; j = j + 1u) {
                 let sh = 2u * j;
-                let k = 32u * half + 8u * j;
+                let k = ab + 8u * half + 2u * j;
+                let x0 = avec(a, k);
+                let x1 = avec(a, k + 1u);
                 let wl = (ql >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
                 let wh = (qh >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
-                let lo = dot4I8Packed(wl.x, qword(a, nb, b, k)) + dot4I8Packed(wl.y, qword(a, nb, b, k + 1u))
-                    + dot4I8Packed(wl.z, qword(a, nb, b, k + 2u)) + dot4I8Packed(wl.w, qword(a, nb, b, k + 3u));
-                let hi = dot4I8Packed(wh.x, qword(a, nb, b, k + 4u)) + dot4I8Packed(wh.y, qword(a, nb, b, k + 5u))
-                    + dot4I8Packed(wh.z, qword(a, nb, b, k + 6u)) + dot4I8Packed(wh.w, qword(a, nb, b, k + 7u));
+                let lo = dot4I8Packed(wl.x, x0.x) + dot4I8Packed(wl.y, x0.y) + dot4I8Packed(wl.z, x0.z)
+                    + dot4I8Packed(wl.w, x0.w);
+                let hi = dot4I8Packed(wh.x, x1.x) + dot4I8Packed(wh.y, x1.y) + dot4I8Packed(wh.z, x1.z)
+                    + dot4I8Packed(wh.w, x1.w);
                 isum = isum + i32(vbyte(sc, 8u * half + 2u * j) & 15u) * lo
                     + i32(vbyte(sc, 8u * half + 2u * j + 1u) & 15u) * hi;
             }
@@ -244,58 +302,59 @@ fn block_term(t: u32, ty: u32, at: u32, a: u32, nb: u32, b: u32) -> f32 {
         for (var k = 0u; k < 16u; k = k + 1u) {
             summs = summs + i32(vbyte(sc, k) >> 4u) * qbsum(a, nb, b, k);
         }
-        let dd = wword(t, w + 20u);
         let dall = fmul(yd, h2f(dd & 0xffffu));
         let dmin = fmul(yd, h2f(dd >> 16u));
         return fsub(fmul(dall, f32(isum)), fmul(dmin, f32(summs)));
     }
-    // Q4_K: f16 d, f16 dmin, scales[12], qs[128]. Blocks are 144 bytes: word-aligned.
-    let dd = wword(t, w);
-    let sc = vec4<u32>(wword(t, w + 1u), wword(t, w + 2u), wword(t, w + 3u), 0u);
+    // Q4_K: quants of sub-blocks 2c and 2c + 1 in vectors 2c and 2c + 1 (low and high nibbles);
+    // the rest is d, dmin and 12 scale bytes (one vector).
+    let rest = wvec(t, 8u * nblk + bi);
+    let sc = vec4<u32>(rest.y, rest.z, rest.w, 0u);
     var isum = 0;
     var summs = 0;
     for (var c = 0u; c < 4u; c = c + 1u) {
         let sm1 = q4k_scale_min(sc, 2u * c);
         let sm2 = q4k_scale_min(sc, 2u * c + 1u);
-        var lo = 0;
-        var hi = 0;
-        for (var m = 0u; m < 8u; m = m + 1u) {
-            let q = wword(t, w + 4u + 8u * c + m);
-            lo = lo + dot4I8Packed(q & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + m));
-            hi = hi + dot4I8Packed((q >> 4u) & 0x0f0f0f0fu, qword(a, nb, b, 16u * c + 8u + m));
-        }
+        let qa = wvec(t, 8u * bi + 2u * c);
+        let qb = wvec(t, 8u * bi + 2u * c + 1u);
+        let k = ab + 4u * c;
+        let x0 = avec(a, k);
+        let x1 = avec(a, k + 1u);
+        let x2 = avec(a, k + 2u);
+        let x3 = avec(a, k + 3u);
+        let m = vec4<u32>(0x0f0f0f0fu);
+        let alo = qa & m;
+        let blo = qb & m;
+        let ahi = (qa >> vec4<u32>(4u)) & m;
+        let bhi = (qb >> vec4<u32>(4u)) & m;
+        let lo = dot4I8Packed(alo.x, x0.x) + dot4I8Packed(alo.y, x0.y) + dot4I8Packed(alo.z, x0.z)
+            + dot4I8Packed(alo.w, x0.w) + dot4I8Packed(blo.x, x1.x) + dot4I8Packed(blo.y, x1.y)
+            + dot4I8Packed(blo.z, x1.z) + dot4I8Packed(blo.w, x1.w);
+        let hi = dot4I8Packed(ahi.x, x2.x) + dot4I8Packed(ahi.y, x2.y) + dot4I8Packed(ahi.z, x2.z)
+            + dot4I8Packed(ahi.w, x2.w) + dot4I8Packed(bhi.x, x3.x) + dot4I8Packed(bhi.y, x3.y)
+            + dot4I8Packed(bhi.z, x3.z) + dot4I8Packed(bhi.w, x3.w);
         isum = isum + sm1.x * lo + sm2.x * hi;
         summs = summs + sm1.y * (qbsum(a, nb, b, 4u * c) + qbsum(a, nb, b, 4u * c + 1u));
         summs = summs + sm2.y * (qbsum(a, nb, b, 4u * c + 2u) + qbsum(a, nb, b, 4u * c + 3u));
     }
-    let d = fmul(yd, h2f(dd & 0xffffu));
-    let dmin = fmul(yd, h2f(dd >> 16u));
+    let d = fmul(yd, h2f(rest.x & 0xffffu));
+    let dmin = fmul(yd, h2f(rest.x >> 16u));
     return fsub(fmul(d, f32(isum)), fmul(dmin, f32(summs)));
 }
 
-fn block_bytes(ty: u32) -> u32 {
-    if (ty == 16u) {
-        return 66u;
-    }
-    if (ty == 10u) {
-        return 84u;
-    }
-    return 144u;
-}
-
-// The canonical dot of a weight row (n_blocks 256-blocks from byte `at`) with activation (a, nb,
-// first block b0) by `width` lanes (32, or the power of two >= n_blocks when that is smaller,
-// so that 32 / width rows share 32 lanes): lane l takes block c + l of each 32-block chunk, the
-// butterfly reduces the chunk (lane_sum_w: the same bits as 32 lanes of which the last hold
-// +0), the chunk sums add in order. IQ2_XXS rows end with * 0.125.
-fn row_dot(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, lid: u32, width: u32) -> f32 {
+// The canonical dot of weight row (n_blocks blocks from block bi0 of the range's nblk) with
+// activation (a, nb, first block b0) by `width` lanes (32, or the power of two >= n_blocks when
+// that is smaller, so that 32 / width rows share 32 lanes): lane l takes block c + l of each
+// 32-block chunk, the butterfly reduces the chunk (lane_sum_w: the same bits as 32 lanes of which
+// the last hold +0), the chunk sums add in order. IQ2_XXS rows end with * 0.125.
+fn row_dot(t: u32, ty: u32, bi0: u32, nblk: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, lid: u32, width: u32) -> f32 {
     let lane = lid % width;
     var total = zero();
     for (var c = 0u; c < n_blocks; c = c + 32u) {
         var acc = zero();
         let b = c + lane;
         if (b < n_blocks) {
-            acc = fadd(acc, block_term(t, ty, at + b * block_bytes(ty), a, nb, b0 + b));
+            acc = fadd(acc, block_term(t, ty, bi0 + b, nblk, a, nb, b0 + b));
         }
         total = fadd(total, lane_sum_w(acc, lid, width));
     }
@@ -303,6 +362,32 @@ fn row_dot(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32, li
         total = fmul(0.125, total);
     }
     return total;
+}
+
+// row_dot of the gate row (GATE) and the up row (UP) at the same place, side by side: each as
+// row_dot computes it, both blocks' loads in flight together.
+fn gate_up_dot(g_ty: u32, u_ty: u32, bi0: u32, nblk: u32, n_blocks: u32, lid: u32, width: u32) -> vec2<f32> {
+    let lane = lid % width;
+    var tg = zero();
+    var tu = zero();
+    for (var c = 0u; c < n_blocks; c = c + 32u) {
+        var ag = zero();
+        var au = zero();
+        let b = c + lane;
+        if (b < n_blocks) {
+            ag = fadd(ag, block_term(0u, g_ty, bi0 + b, nblk, 0u, n_blocks, b));
+            au = fadd(au, block_term(1u, u_ty, bi0 + b, nblk, 0u, n_blocks, b));
+        }
+        tg = fadd(tg, lane_sum_w(ag, lid, width));
+        tu = fadd(tu, lane_sum_w(au, lid, width));
+    }
+    if (g_ty == 16u) {
+        tg = fmul(0.125, tg);
+    }
+    if (u_ty == 16u) {
+        tu = fmul(0.125, tu);
+    }
+    return vec2<f32>(tg, tu);
 }
 
 // args: gate_ty, up_ty, down_ty, in_dim, ff, out_dim, n_used, e0, e1, clamp, n_mid_blocks,
@@ -315,6 +400,7 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (!guard()) {
         return;
     }
+    load_grid(lid, 256u);
     let in_dim = arg(3u);
     let ff = arg(4u);
     let n_used = arg(6u);
@@ -329,12 +415,10 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let mine = item < n_used * ff && e >= e0 && e < e1;
     let el = select(0u, e - e0, e >= e0 && e < e1);
     let nbx = in_dim / 256u;
-    let g_at = (el * ff + r) * nbx * block_bytes(arg(0u));
-    let u_at = (el * ff + r) * nbx * block_bytes(arg(1u));
-    let g = row_dot(0u, arg(0u), g_at, nbx, 0u, nbx, 0u, lid, width);
-    let u = row_dot(1u, arg(1u), u_at, nbx, 0u, nbx, 0u, lid, width);
+    let nblk = (e1 - e0) * ff * nbx;
+    let gu = gate_up_dot(arg(0u), arg(1u), (el * ff + r) * nbx, nblk, nbx, lid, width);
     if (mine && lid % width == 0u) {
-        F0[it] = fmul(swiglu_clamped(g, u, argf(9u)), WEIGHTS[slot]);
+        F0[it] = fmul(swiglu_clamped(gu.x, gu.y, argf(9u)), WEIGHTS[slot]);
     }
 }
 
@@ -346,6 +430,7 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (!guard()) {
         return;
     }
+    load_grid(lid, 256u);
     let ff = arg(4u);
     let out_dim = arg(5u);
     let n_used = arg(6u);
@@ -360,8 +445,8 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let mine = item < n_used * out_dim && e >= e0 && e < e1;
     let el = select(0u, e - e0, e >= e0 && e < e1);
     let nbm = ff / 256u;
-    let at = (el * out_dim + r) * nbm * block_bytes(arg(2u));
-    let v = row_dot(2u, arg(2u), at, nbm, 1u, arg(10u), slot * nbm, lid, width);
+    let nblk = (e1 - e0) * out_dim * nbm;
+    let v = row_dot(2u, arg(2u), (el * out_dim + r) * nbm, nblk, nbm, 1u, arg(10u), slot * nbm, lid, width);
     if (mine && lid % width == 0u) {
         F1[it] = v;
     }
@@ -387,13 +472,13 @@ fn moe_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 }
 
 // row_dot by one invocation holding the 32 lane sums (the `_rows` variants below).
-fn row_dot_serial(t: u32, ty: u32, at: u32, n_blocks: u32, a: u32, nb: u32, b0: u32) -> f32 {
+fn row_dot_serial(t: u32, ty: u32, bi0: u32, nblk: u32, n_blocks: u32, a: u32, nb: u32, b0: u32) -> f32 {
     var total = zero();
     for (var c = 0u; c < n_blocks; c = c + 32u) {
         var acc = zero32();
         for (var l = 0u; l < 32u && c + l < n_blocks; l = l + 1u) {
             let b = c + l;
-            acc[l] = fadd(acc[l], block_term(t, ty, at + b * block_bytes(ty), a, nb, b0 + b));
+            acc[l] = fadd(acc[l], block_term(t, ty, bi0 + b, nblk, a, nb, b0 + b));
         }
         total = fadd(total, tree32(&acc));
     }
@@ -410,6 +495,7 @@ fn moe_gate_up_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     if (!guard()) {
         return;
     }
+    load_grid(lid, 64u);
     let in_dim = arg(3u);
     let ff = arg(4u);
     let n_used = arg(6u);
@@ -425,8 +511,9 @@ fn moe_gate_up_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     }
     let el = e - arg(7u);
     let nbx = in_dim / 256u;
-    let g = row_dot_serial(0u, arg(0u), (el * ff + r) * nbx * block_bytes(arg(0u)), nbx, 0u, nbx, 0u);
-    let u = row_dot_serial(1u, arg(1u), (el * ff + r) * nbx * block_bytes(arg(1u)), nbx, 0u, nbx, 0u);
+    let nblk = (arg(8u) - arg(7u)) * ff * nbx;
+    let g = row_dot_serial(0u, arg(0u), (el * ff + r) * nbx, nblk, nbx, 0u, nbx, 0u);
+    let u = row_dot_serial(1u, arg(1u), (el * ff + r) * nbx, nblk, nbx, 0u, nbx, 0u);
     F0[it] = fmul(swiglu_clamped(g, u, argf(9u)), WEIGHTS[slot]);
 }
 
@@ -437,6 +524,7 @@ fn moe_down_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if (!guard()) {
         return;
     }
+    load_grid(lid, 64u);
     let ff = arg(4u);
     let out_dim = arg(5u);
     let n_used = arg(6u);
@@ -451,6 +539,7 @@ fn moe_down_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         return;
     }
     let nbm = ff / 256u;
-    let at = ((e - arg(7u)) * out_dim + r) * nbm * block_bytes(arg(2u));
-    F1[it] = row_dot_serial(2u, arg(2u), at, nbm, 1u, arg(10u), slot * nbm);
+    let nblk = (arg(8u) - arg(7u)) * out_dim * nbm;
+    let bi0 = ((e - arg(7u)) * out_dim + r) * nbm;
+    F1[it] = row_dot_serial(2u, arg(2u), bi0, nblk, nbm, 1u, arg(10u), slot * nbm);
 }

@@ -10,7 +10,8 @@
 // The RoPE table (rms_norm with RoPE, kv_finish) and the raw KV ring (kv_finish).
 @group(0) @binding(6) var<storage, read> TABLE: array<f32>;
 @group(0) @binding(7) var<storage, read_write> CACHE: array<f32>;
-// The output's Q8_K quantization, for the routed experts (quantize_q8_k's layout, n / 256 blocks).
+// The output's Q8_K quantization, for the routed experts (quantize_q8_k's layout, n / 256 blocks:
+// quants, then d, then bsums).
 @group(0) @binding(9) var<storage, read_write> XK: array<u32>;
 
 // args: n, eps, has_weight, slices, per, rows * slices, q8, q8k (both: one row only; q8k: slices of
@@ -93,13 +94,13 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             let nb = n / 256u;
             let b = i0 / 256u;
             if (lid < 64u) {
-                XK[17u * nb + b * 64u + lid] = k.word;
+                XK[b * 64u + lid] = k.word;
             }
             if (lid < 16u) {
-                XK[nb + b * 16u + lid] = k.bsum;
+                XK[65u * nb + b * 16u + lid] = k.bsum;
             }
             if (lid == 0u) {
-                XK[b] = k.d;
+                XK[64u * nb + b] = k.d;
             }
         }
     }

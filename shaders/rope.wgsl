@@ -4,6 +4,21 @@
 @group(0) @binding(2) var<storage, read_write> X: array<f32>;
 @group(0) @binding(3) var<storage, read> TABLE: array<f32>;
 
+// (cos, sin) of pair k (of `pairs`) at the table position of args 3-5 (pos_mode: 0 the current
+// position, 1 the compressed row's pos + 1 - ratio; inverse: sin negated), for both entry points.
+fn rope_cos_sin(k: u32, pairs: u32) -> vec2<f32> {
+    var pos = P.pos;
+    if (arg(3u) == 1u) {
+        pos = select(0u, P.pos + 1u - arg(4u), P.pos + 1u >= arg(4u));
+    }
+    let c = TABLE[(pos * pairs + k) * 2u];
+    var s = TABLE[(pos * pairs + k) * 2u + 1u];
+    if (arg(5u) != 0u) {
+        s = -s;
+    }
+    return vec2<f32>(c, s);
+}
+
 // args: n_head, head_dim, n_rot, pos_mode (0: pos, 1: pos + 1 - ratio), ratio, inverse.
 @compute @workgroup_size(128)
 fn rope_tail(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -20,20 +35,12 @@ fn rope_tail(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     }
     let h = t / pairs;
     let k = t % pairs;
-    var pos = P.pos;
-    if (arg(3u) == 1u) {
-        pos = select(0u, P.pos + 1u - arg(4u), P.pos + 1u >= arg(4u));
-    }
-    let c = TABLE[(pos * pairs + k) * 2u];
-    var s = TABLE[(pos * pairs + k) * 2u + 1u];
-    if (arg(5u) != 0u) {
-        s = -s;
-    }
+    let cs = rope_cos_sin(k, pairs);
     let i = h * head_dim + (head_dim - n_rot) + 2u * k;
     let x0 = X[i];
     let x1 = X[i + 1u];
-    X[i] = fsub(fmul(x0, c), fmul(x1, s));
-    X[i + 1u] = fadd(fmul(x0, s), fmul(x1, c));
+    X[i] = fsub(fmul(x0, cs.x), fmul(x1, cs.y));
+    X[i + 1u] = fadd(fmul(x0, cs.y), fmul(x1, cs.x));
 }
 
 // rope_tail_q8's Q8_0 quantization of X (quantize_q8_0's layout: n / 4 words of quants, then the
@@ -67,16 +74,9 @@ fn rope_tail_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let tail = head_dim - n_rot;
     let d = i % head_dim;
     if (i < n && d >= tail) {
-        let k = (d - tail) / 2u;
-        var pos = P.pos;
-        if (arg(3u) == 1u) {
-            pos = select(0u, P.pos + 1u - arg(4u), P.pos + 1u >= arg(4u));
-        }
-        let c = TABLE[(pos * pairs + k) * 2u];
-        var s = TABLE[(pos * pairs + k) * 2u + 1u];
-        if (arg(5u) != 0u) {
-            s = -s;
-        }
+        let cs = rope_cos_sin((d - tail) / 2u, pairs);
+        let c = cs.x;
+        let s = cs.y;
         let first = lid - (d - tail) % 2u;
         let x0 = rope_in[first];
         let x1 = rope_in[first + 1u];

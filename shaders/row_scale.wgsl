@@ -6,20 +6,37 @@
 var<workgroup> chunk_sums: array<f32, 64>;
 var<workgroup> scale_sh: f32;
 
+// The 16 values lane `lane` squares of a whole chunk (4 consecutive per step), from x[i] on
+// (i: the chunk's first value plus 4 * lane).
+struct Values16 {
+    a: vec4<f32>,
+    b: vec4<f32>,
+    c: vec4<f32>,
+    d: vec4<f32>,
+}
+
+fn load16(i: u32) -> Values16 {
+    return Values16(vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]),
+                    vec4<f32>(X[i + 128u], X[i + 129u], X[i + 130u], X[i + 131u]),
+                    vec4<f32>(X[i + 256u], X[i + 257u], X[i + 258u], X[i + 259u]),
+                    vec4<f32>(X[i + 384u], X[i + 385u], X[i + 386u], X[i + 387u]));
+}
+
+// Their squares added in order from +0.
+fn squares16(v: Values16) -> f32 {
+    var acc = zero();
+    acc = fadd(fadd(fadd(fadd(acc, fmul(v.a.x, v.a.x)), fmul(v.a.y, v.a.y)), fmul(v.a.z, v.a.z)), fmul(v.a.w, v.a.w));
+    acc = fadd(fadd(fadd(fadd(acc, fmul(v.b.x, v.b.x)), fmul(v.b.y, v.b.y)), fmul(v.b.z, v.b.z)), fmul(v.b.w, v.b.w));
+    acc = fadd(fadd(fadd(fadd(acc, fmul(v.c.x, v.c.x)), fmul(v.c.y, v.c.y)), fmul(v.c.z, v.c.z)), fmul(v.c.w, v.c.w));
+    return fadd(fadd(fadd(fadd(acc, fmul(v.d.x, v.d.x)), fmul(v.d.y, v.d.y)), fmul(v.d.z, v.d.z)), fmul(v.d.w, v.d.w));
+}
+
 // The 16 squares lane `lane` adds of the chunk that starts at x[c0] (4 consecutive per step).
 fn chunk_squares(row: u32, c0: u32, n: u32, lane: u32) -> f32 {
     var acc = zero();
     if (c0 + 512u <= n) {
         // A whole chunk: every load first, then the adds in order.
-        let i = row + c0 + lane * 4u;
-        let a = vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]);
-        let b = vec4<f32>(X[i + 128u], X[i + 129u], X[i + 130u], X[i + 131u]);
-        let c = vec4<f32>(X[i + 256u], X[i + 257u], X[i + 258u], X[i + 259u]);
-        let d = vec4<f32>(X[i + 384u], X[i + 385u], X[i + 386u], X[i + 387u]);
-        acc = fadd(fadd(fadd(fadd(acc, fmul(a.x, a.x)), fmul(a.y, a.y)), fmul(a.z, a.z)), fmul(a.w, a.w));
-        acc = fadd(fadd(fadd(fadd(acc, fmul(b.x, b.x)), fmul(b.y, b.y)), fmul(b.z, b.z)), fmul(b.w, b.w));
-        acc = fadd(fadd(fadd(fadd(acc, fmul(c.x, c.x)), fmul(c.y, c.y)), fmul(c.z, c.z)), fmul(c.w, c.w));
-        return fadd(fadd(fadd(fadd(acc, fmul(d.x, d.x)), fmul(d.y, d.y)), fmul(d.z, d.z)), fmul(d.w, d.w));
+        return squares16(load16(row + c0 + lane * 4u));
     }
     for (var u = 0u; u < 4u; u = u + 1u) {
         let base = c0 + u * 128u + lane * 4u;
@@ -34,21 +51,52 @@ fn chunk_squares(row: u32, c0: u32, n: u32, lane: u32) -> f32 {
     return acc;
 }
 
+// Chunk c's sum of squares from its group's lane sums, kept (c < n_chunks) for the ordered total.
+// Call in uniform control flow.
+fn keep_chunk_sum(acc: f32, c: u32, n_chunks: u32, lid: u32) {
+    let s = lane_sum(acc, lid);
+    if (c < n_chunks && lid % 32u == 0u) {
+        chunk_sums[c] = s;
+    }
+}
+
 // 1 / sqrt(mean + eps) of row `row` (its first value's index) of n values: 32-lane group w sums
 // the chunks w, w + 8, ... and the chunk sums add in order. Every invocation reads its part of
 // the row before the scale is returned (workgroups of 256, uniform control flow).
 fn row_scale(row: u32, n: u32, eps: f32, lid: u32) -> f32 {
     let lane = lid % 32u;
     let n_chunks = (n + 511u) / 512u;
-    for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
-        let c = cb + lid / 32u;
-        var acc = zero();
-        if (c < n_chunks) {
-            acc = chunk_squares(row, c * 512u, n, lane);
+    if (n_chunks > 8u && n % 512u == 0u) {
+        // Long rows of whole chunks (the HC streams, 32 chunks on Flash): rounds of 4 chunks per
+        // group (g, g + 8, g + 16, g + 24), all four loaded before the first butterfly instead of
+        // one chunk's latency after another. Past the last chunk a group reloads the last one
+        // (in bounds) and keeps nothing.
+        let last = n_chunks - 1u;
+        for (var cb = 0u; cb < n_chunks; cb = cb + 32u) {
+            let c = cb + lid / 32u;
+            let v0 = load16(row + min(c, last) * 512u + lane * 4u);
+            let v1 = load16(row + min(c + 8u, last) * 512u + lane * 4u);
+            let v2 = load16(row + min(c + 16u, last) * 512u + lane * 4u);
+            let v3 = load16(row + min(c + 24u, last) * 512u + lane * 4u);
+            keep_chunk_sum(squares16(v0), c, n_chunks, lid);
+            if (cb + 8u < n_chunks) {
+                keep_chunk_sum(squares16(v1), c + 8u, n_chunks, lid);
+            }
+            if (cb + 16u < n_chunks) {
+                keep_chunk_sum(squares16(v2), c + 16u, n_chunks, lid);
+            }
+            if (cb + 24u < n_chunks) {
+                keep_chunk_sum(squares16(v3), c + 24u, n_chunks, lid);
+            }
         }
-        let s = lane_sum(acc, lid);
-        if (c < n_chunks && lane == 0u) {
-            chunk_sums[c] = s;
+    } else {
+        for (var cb = 0u; cb < n_chunks; cb = cb + 8u) {
+            let c = cb + lid / 32u;
+            var acc = zero();
+            if (c < n_chunks) {
+                acc = chunk_squares(row, c * 512u, n, lane);
+            }
+            keep_chunk_sum(acc, c, n_chunks, lid);
         }
     }
     workgroupBarrier();

@@ -371,8 +371,11 @@ mod imp {
                     Layout::Experts(ranges) => {
                         let eb = (t.bytes / t.dim(2)) as usize;
                         for &(e0, n) in ranges {
-                            let bytes = data[e0 as usize * eb..(e0 + n) as usize * eb].to_vec();
-                            weights.push(make(&t.name, &padded(bytes)));
+                            // The split layout in whole 16-byte vectors: the expert shaders read
+                            // quants (and Q4_K's rest) as vec4<u32>.
+                            let bytes = &data[e0 as usize * eb..(e0 + n) as usize * eb];
+                            let bytes = padded_to(gpu_tables::repack_blocks(t.ty, bytes).into_owned(), 16);
+                            weights.push(make(&t.name, &bytes));
                         }
                     }
                 }
@@ -418,10 +421,18 @@ mod imp {
                     let (m, info) =
                         validate(file, be.subgroups).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
                     let src = super::shader_source(file, be.subgroups).unwrap_or_default();
-                    let sm = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    // Without wgpu's forced loop bound: naga would give every loop a 64-bit
+                    // counter and an extra exit, which keeps the driver from unrolling the
+                    // short fixed loops (lanes, blocks, butterflies) every shader is made of.
+                    // Bounds checks stay on.
+                    let checks = wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..Default::default() };
+                    let desc = wgpu::ShaderModuleDescriptor {
                         label: Some(file),
                         source: wgpu::ShaderSource::Wgsl(src.into()),
-                    });
+                    };
+                    // SAFETY: every loop in shaders/ ends: its bound is an argument word or a
+                    // constant, and no loop waits on another invocation.
+                    let sm = unsafe { device.create_shader_module_trusted(desc, checks) };
                     modules.insert(file, (sm, m, info));
                 }
                 let (sm, m, info) = &modules[file];

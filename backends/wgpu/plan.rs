@@ -52,7 +52,8 @@ pub enum Res {
 pub enum Layout {
     /// A matrix split into row ranges `(first row, rows)`, each its own buffer; Q8_0 repacked per range.
     Rows(Vec<(u32, u32)>),
-    /// Routed experts split into expert ranges `(first expert, experts)`.
+    /// Routed experts split into expert ranges `(first expert, experts)`, each range repacked
+    /// into the split layout (`gpu_tables::repack_blocks`).
     Experts(Vec<(u32, u32)>),
     /// A small vector converted to f32.
     Vector,
@@ -117,8 +118,10 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
     })
 }
 
-/// Outputs of an RMS norm row per workgroup (4 per invocation) when the output is not the input.
-const NORM_SLICE: u32 = 1024;
+/// Outputs of an RMS norm row per workgroup (one per invocation) when the output is not the
+/// input: each workgroup's quantizations of its outputs (Q8_0 blocks, a Q8_K block) then run
+/// once, not once per step of 256 in a chain, and a 4096 row is written by 16 workgroups.
+const NORM_SLICE: u32 = 256;
 
 /// Whether a dense F16 / F32 matrix runs split-K (a workgroup per row, its chunks over 8
 /// groups of 32 lanes): narrow matrices of long rows, such as the HC mix projections (24 rows
@@ -134,6 +137,12 @@ fn pack_cond(c: Option<Cond>) -> [u32; 3] {
         Some(Cond::Emit { ratio }) => [1, ratio, 0],
         Some(Cond::IndexerActive { ratio, top_k }) => [2, ratio, top_k],
     }
+}
+
+/// Bytes of a Q8_K scratch of `blocks` blocks (81 words each), in whole 16-byte vectors: the
+/// experts read its quants as vec4<u32>.
+fn q8k_bytes(blocks: u64) -> u64 {
+    (blocks * 81 * 4).div_ceil(16) * 16
 }
 
 fn groups(n: usize, per: usize) -> u32 {
@@ -594,7 +603,7 @@ impl Builder<'_> {
                 let q8k = rows == 1 && per.is_multiple_of(256) && self.moe_reads_later(out);
                 let xk = match q8k {
                     true => {
-                        self.need(Scratch::Q8KX, n as u64 / 256 * 81 * 4);
+                        self.need(Scratch::Q8KX, q8k_bytes(n as u64 / 256));
                         Res::Scratch(Scratch::Q8KX)
                     }
                     false => Res::DummyOut,
@@ -804,8 +813,8 @@ impl Builder<'_> {
                     self.layout(w, Layout::Experts(ranges.clone()))?;
                 }
                 let (nbx, nb_mid) = (in_dim / 256, n_used * ff / 256);
-                self.need(Scratch::Q8KX, nbx * 81 * 4);
-                self.need(Scratch::Q8KMid, nb_mid * 81 * 4);
+                self.need(Scratch::Q8KX, q8k_bytes(nbx));
+                self.need(Scratch::Q8KMid, q8k_bytes(nb_mid));
                 self.need(Scratch::Mid, n_used * ff * 4);
                 self.need(Scratch::Partial, n_used * out_dim * 4);
                 // The input's Q8_K blocks, unless its norm wrote them under this op's predicate.
