@@ -132,12 +132,18 @@ mod imp {
         move |e| err(format!("{what}: {e}"))
     }
 
-    /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, the
-    /// header generated from the Rust definitions (StepParams, argument structs, numerics
-    /// constants), then the files.
+    /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, any
+    /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g. `Q8_UNITS=8
+    /// MOE_GATE_UP_PASSES=1`; the kernels give each a default), the header generated from the
+    /// Rust definitions (StepParams, argument structs, numerics constants), then the files.
     pub fn kernel_source(layout: BlockLayout) -> String {
         let native = (layout == BlockLayout::Native) as u32;
-        format!("#define DS4_NATIVE_BLOCKS {native}\n") + &args::c_header() + "\n" + &SOURCES.join("\n")
+        let tuning: String = std::env::var("DS4_CUDA_DEFINES")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
+            .collect();
+        format!("#define DS4_NATIVE_BLOCKS {native}\n{tuning}") + &args::c_header() + "\n" + &SOURCES.join("\n")
     }
 
     /// Compiles the kernels for an `sm_XY` architecture.
