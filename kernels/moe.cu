@@ -503,8 +503,8 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
 #define MOE_GATE_UP_PASSES 1
 #endif
 
-// The same for IQ2_XXS alone (the Flash experts): without the k-quant paths it needs 71
-// registers instead of 96, so 3 blocks of 256 fit on an SM instead of 2; these loads are
+// The same for IQ2_XXS alone (the Flash experts): without the k-quant paths it needs 80
+// registers (71 before the scales were loaded with the quants) instead of 96-112, so 3 blocks of 256 fit on an SM instead of 2; these loads are
 // latency-bound (ncu: long-scoreboard stalls, 23% of the warps active), so that pays: 32.6 ->
 // 26.2 us per launch on the H200.
 extern "C" __global__ void moe_gate_up_iq2_xxs(DS4_ARGS, const MoeGateUpArgs a) {

@@ -133,8 +133,8 @@ mod imp {
     }
 
     /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, any
-    /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g. `Q8_UNITS=8
-    /// MOE_GATE_UP_PASSES=1`; the kernels give each a default), the header generated from the
+    /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g.
+    /// `MOE_GATE_UP_PASSES=2`; the kernels give each a default), the header generated from the
     /// Rust definitions (StepParams, argument structs, numerics constants), then the files.
     pub fn kernel_source(layout: BlockLayout) -> String {
         let native = (layout == BlockLayout::Native) as u32;
