@@ -299,6 +299,16 @@ mod imp {
         /// The row loop of its op (`Step::seq`): `None` runs for every row before the next
         /// dispatch; consecutive dispatches of one loop run row by row.
         seq: Option<u32>,
+        /// One dispatch computes every row (its one bind group is row 0's), and how.
+        batched: Option<Batch>,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Batch {
+        /// Each invocation loops over the chunk's rows (`chunk_rows`).
+        Loop,
+        /// Row `r` is the workgroups with `workgroup_id.z == r`.
+        Grid,
     }
 
     /// Pads bytes to a whole number of 4-byte words (at least one).
@@ -651,11 +661,41 @@ mod imp {
                 usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
+            // Batched: one dispatch for all rows, with the row strides in words of X (or its Q8_0
+            // scratch) and OUT in argument words 26 and 27 (`chunk_rows` in shaders/common.wgsl):
+            // the matvecs with one invocation per matrix row loop over the chunk's rows, the RMS
+            // norm (without the quantizations and RoPE it fuses in a decode plan) takes a row per
+            // workgroup along z.
+            let scratch_buf = |d: &plan::Dispatch, b: u32| match d.binds.iter().find(|(k, _)| *k == b) {
+                Some(&(_, Res::Buf(x))) if state_of[x.0 as usize].is_none() => Some(stride[x.0 as usize]),
+                Some(&(_, Res::Scratch(s))) => scratch.get(&s).map(|e| e.1),
+                _ => None,
+            };
+            let max_z = limits.max_compute_workgroups_per_dimension as u64;
+            let batched: Vec<Option<(u64, u64, Batch)>> = plan
+                .dispatches
+                .iter()
+                .map(|d| {
+                    let (x, out, how) = match d.entry {
+                        "mat_vec_q8_0_rows" => (5, 4, Batch::Loop),
+                        "mat_vec_f16_rows" | "mat_vec_f32_rows" => (3, 4, Batch::Loop),
+                        "rms_norm" if d.args[6..10] == [0; 4] && rows <= max_z => (2, 3, Batch::Grid),
+                        _ => return None,
+                    };
+                    let in_loop = chunk.steps()[d.op].seq.is_some();
+                    let (xs, os) = (scratch_buf(d, x)?, scratch_buf(d, out)?);
+                    (!in_loop && d.args.len() <= 26).then_some((xs / 4, os / 4, how))
+                })
+                .collect();
             let mut words = vec![0u32; plan.dispatches.len() * ARGS_STRIDE as usize / 4];
             for (i, d) in plan.dispatches.iter().enumerate() {
                 let at = i * ARGS_STRIDE as usize / 4;
                 words[at..at + 3].copy_from_slice(&d.cond);
                 words[at + 4..at + 4 + d.args.len()].copy_from_slice(&d.args);
+                if let Some((xs, os, _)) = batched[i] {
+                    words[at + 4 + 26] = xs as u32;
+                    words[at + 4 + 27] = os as u32;
+                }
             }
             use wgpu::util::DeviceExt;
             let args = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
@@ -677,7 +717,9 @@ mod imp {
                 let used = &res.used_of[d.entry];
                 let layout = self.pipelines[pipeline].get_bind_group_layout(0);
                 let mut per_row = Vec::with_capacity(rows as usize);
-                for r in 0..rows {
+                // A batched dispatch has one bind group: row 0's parameters, whole buffers.
+                let whole = batched[i].is_some();
+                for r in 0..if whole { 1 } else { rows } {
                     let mut entries = Vec::with_capacity(used.len());
                     for &b in used {
                         let resource = match b {
@@ -688,6 +730,7 @@ mod imp {
                                 match bound.ok_or_else(|| named(format!("binding {b} is not planned")))? {
                                     Res::Buf(x) => match (state_of[x.0 as usize], &bufs[x.0 as usize]) {
                                         (Some(dx), _) => self.bufs[dx.0 as usize].as_entire_binding(),
+                                        (None, Some(buf)) if whole => buf.as_entire_binding(),
                                         (None, Some(buf)) => {
                                             let len = chunk.buffer(x).len as u64 * 4;
                                             range(buf, r * stride[x.0 as usize], len.max(4))
@@ -701,7 +744,10 @@ mod imp {
                                     Res::Scratch(s) => {
                                         let (buf, st, bytes) =
                                             scratch.get(&s).ok_or_else(|| named(format!("no scratch {s:?}")))?;
-                                        range(buf, r * st, *bytes)
+                                        match whole {
+                                            true => buf.as_entire_binding(),
+                                            false => range(buf, r * st, *bytes),
+                                        }
                                     }
                                     Res::Grid => res.grid.as_entire_binding(),
                                     Res::Rope(t) => res.ropes[t as usize].as_entire_binding(),
@@ -721,7 +767,8 @@ mod imp {
                 let x = d.groups.min(max_x);
                 let y = d.groups.div_ceil(x);
                 let seq = chunk.steps()[d.op].seq;
-                dispatches.push(ChunkDispatch { pipeline, rows: per_row, groups: (x, y), seq });
+                let batched = batched[i].map(|b| b.2);
+                dispatches.push(ChunkDispatch { pipeline, rows: per_row, groups: (x, y), seq, batched });
             }
             let keep = [args].into_iter().chain(scratch.into_values().map(|(b, _, _)| b)).collect();
             self.check_errors()?;
@@ -739,6 +786,8 @@ mod imp {
                 let at = r * ARGS_STRIDE as usize / 4;
                 words[at..at + 2].copy_from_slice(&[row.token, row.pos]);
             }
+            // Row 0's parameters carry the chunk's length, for the batched dispatches.
+            words[3] = tokens.len() as u32;
             self.queue.write_buffer(&chunk.params, 0, bytemuck::cast_slice(&words));
             let count = tokens.len();
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("chunk") });
@@ -752,6 +801,15 @@ mod imp {
                         None => i + 1,
                         Some(k) => i + list[i..].iter().take_while(|d| d.seq == Some(k)).count(),
                     };
+                    if let Some(how) = list[i].batched {
+                        let d = &list[i];
+                        let z = if how == Batch::Grid { count as u32 } else { 1 };
+                        pass.set_pipeline(&self.pipelines[d.pipeline]);
+                        pass.set_bind_group(0, &d.rows[0], &[]);
+                        pass.dispatch_workgroups(d.groups.0, d.groups.1, z);
+                        i = end;
+                        continue;
+                    }
                     for r in 0..count {
                         for d in &list[i..end] {
                             pass.set_pipeline(&self.pipelines[d.pipeline]);
