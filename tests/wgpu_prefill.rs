@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use ds4::backend::{Backend, BackendKind, BackendOptions};
 use ds4::backends::cpu::CpuBackend;
+use ds4::backends::wgpu::{Tuning, WgpuBackend};
 use ds4::gguf::File;
 use ds4::model::Model;
 use ds4::numerics::Numerics;
@@ -60,11 +61,14 @@ fn chunked(s: &mut Session, tokens: &[u32], pieces: &[usize], after: &[u32]) -> 
 }
 
 fn check(model: &Arc<Model>, tokens: &[u32], ctx: usize, chunks: &[usize], pieces: &[usize]) {
+    check_on(wgpu_backend().as_ref(), model, tokens, ctx, chunks, pieces)
+}
+
+fn check_on(gpu: &dyn Backend, model: &Arc<Model>, tokens: &[u32], ctx: usize, chunks: &[usize], pieces: &[usize]) {
     let after = [5u32, 77, 300].map(|t| t % model.config.n_vocab as u32);
     let want = cpu_token_by_token(model, tokens, &after, ctx);
-    let gpu = wgpu_backend();
     for &chunk in chunks {
-        let mut s = Session::with_prefill_chunk(model.clone(), gpu.as_ref(), ctx, chunk).unwrap();
+        let mut s = Session::with_prefill_chunk(model.clone(), gpu, ctx, chunk).unwrap();
         assert_eq!(s.prefill_chunk(), chunk, "the wgpu backend runs chunks of {chunk}");
         let got = chunked(&mut s, tokens, pieces, &after);
         assert_eq!(got.len(), want.len());
@@ -95,4 +99,22 @@ fn wgpu_chunks_equal_canonical_cpu_token_by_token_on_small() {
     let n_vocab = model.config.n_vocab;
     let tokens: Vec<u32> = (0..72).map(|i| ((i * 7919 + 13) % n_vocab) as u32).collect();
     check(&model, &tokens, 128, &[64, 7], &[3]);
+}
+
+/// The other shapes a chunk's dispatches come in: 32 lanes per matrix row (what a GPU adapter
+/// runs: those matvecs run once per row of the chunk, not batched), and weights split over
+/// 64 KiB bindings (several row-range dispatches per matvec, each batched on its own), on
+/// tiny-a's first 40 tokens in chunks of 7.
+#[test]
+fn wgpu_chunks_in_the_other_dispatch_shapes_equal_canonical_cpu() {
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = &golden_tokens()[..40];
+    for tuning in [
+        Tuning { rows_per_invocation: Some(false), ..Tuning::default() },
+        Tuning { max_binding: Some(64 << 10), rows_per_invocation: Some(true), ..Tuning::default() },
+    ] {
+        let gpu = WgpuBackend::new(None, tuning)
+            .unwrap_or_else(|e| panic!("this test needs a wgpu adapter (lavapipe in CI): {e}"));
+        check_on(&gpu, &model, tokens, 64, &[7], &[3]);
+    }
 }
