@@ -10,28 +10,32 @@
 // Q8_0 activation: packed signed bytes, then one f32 scale per 32 values from word `d_off`.
 @group(0) @binding(5) var<storage, read_write> XQ: array<u32>;
 
-// args: n, d_off. One 32-lane group per 32-block (`q8_block`).
+// args: n, d_off. One 32-lane group per 32-block (`q8_block`). In a chunk, one dispatch
+// quantizes every row of the chunk: row wid.z, whose X and XQ start x_stride() and out_stride()
+// words after the previous row's (0 in a decode program).
 @compute @workgroup_size(256)
 fn quantize_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard_at(P.pos + wid.z)) {
         return;
     }
     let n = arg(0u);
     let d_off = arg(1u);
+    let xo = wid.z * x_stride();
+    let qo = wid.z * out_stride();
     let lane = lid % 32u;
     let b = group_index(wid, nwg) * 8u + lid / 32u;
     let valid = b * 32u < n;
     var v = 0.0;
     if (valid) {
-        v = X[b * 32u + lane];
+        v = X[xo + b * 32u + lane];
     }
     let q = q8_block(v, lid);
     if (valid && lane % 4u == 0u) {
-        XQ[(b * 32u + lane) / 4u] = q.x;
+        XQ[qo + (b * 32u + lane) / 4u] = q.x;
     }
     if (valid && lane == 0u) {
-        XQ[d_off + b] = q.y;
+        XQ[qo + d_off + b] = q.y;
     }
 }
 
