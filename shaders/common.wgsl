@@ -7,7 +7,9 @@ struct Params {
     pos: u32,
     // Always 0, but the compiler cannot know it: the opaque identity below XORs with it.
     zero: u32,
-    pad: u32,
+    // Tokens in the step: 1 for a decode step; a chunk's batched dispatches read the chunk's
+    // length here (`chunk_rows`).
+    count: u32,
 }
 
 // Words 0..4: the predicate (kind, ratio, top_k, unused); words 4..: the op's arguments.
@@ -30,6 +32,11 @@ var<private> Z: u32;
 // Every entry point starts with `if (!guard()) { return; }`: the op's predicate, evaluated from
 // the step parameters (uniform, so barriers after it stay in uniform control flow).
 fn guard() -> bool {
+    return guard_at(P.pos);
+}
+
+// The predicate at position `pos`: a chunk's batched dispatch evaluates it for each row.
+fn guard_at(pos: u32) -> bool {
     Z = P.zero;
     let kind = A.w[0].x;
     let ratio = A.w[0].y;
@@ -38,9 +45,22 @@ fn guard() -> bool {
         return true;
     }
     if (kind == 1u) {
-        return (P.pos + 1u) % ratio == 0u;
+        return (pos + 1u) % ratio == 0u;
     }
-    return (P.pos + 1u) / ratio > top_k;
+    return (pos + 1u) / ratio > top_k;
+}
+
+// A batched dispatch of a chunk (one invocation per matrix row, looping over the chunk's rows):
+// the rows it computes, and the row strides in words of its input and output, in argument words
+// 26 and 27 (0 in a decode program, whose step has one row).
+fn chunk_rows() -> u32 {
+    return max(P.count, 1u);
+}
+fn x_stride() -> u32 {
+    return arg(26u);
+}
+fn out_stride() -> u32 {
+    return arg(27u);
 }
 
 // The opaque identity: the driver can neither fuse a product into a sum (NVIDIA does, whatever

@@ -10,28 +10,32 @@
 // Q8_0 activation: packed signed bytes, then one f32 scale per 32 values from word `d_off`.
 @group(0) @binding(5) var<storage, read_write> XQ: array<u32>;
 
-// args: n, d_off. One 32-lane group per 32-block (`q8_block`).
+// args: n, d_off. One 32-lane group per 32-block (`q8_block`). In a chunk, one dispatch
+// quantizes every row of the chunk: row wid.z, whose X and XQ start x_stride() and out_stride()
+// words after the previous row's (0 in a decode program).
 @compute @workgroup_size(256)
 fn quantize_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard_at(P.pos + wid.z)) {
         return;
     }
     let n = arg(0u);
     let d_off = arg(1u);
+    let xo = wid.z * x_stride();
+    let qo = wid.z * out_stride();
     let lane = lid % 32u;
     let b = group_index(wid, nwg) * 8u + lid / 32u;
     let valid = b * 32u < n;
     var v = 0.0;
     if (valid) {
-        v = X[b * 32u + lane];
+        v = X[xo + b * 32u + lane];
     }
     let q = q8_block(v, lid);
     if (valid && lane % 4u == 0u) {
-        XQ[(b * 32u + lane) / 4u] = q.x;
+        XQ[qo + (b * 32u + lane) / 4u] = q.x;
     }
     if (valid && lane == 0u) {
-        XQ[d_off + b] = q.y;
+        XQ[qo + d_off + b] = q.y;
     }
 }
 
@@ -246,12 +250,11 @@ fn mat_vec_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 
 // The same three matvecs with one invocation per row (the `_rows` variants), for adapters that
 // run invocations on CPU cores: each invocation keeps the 32 lane sums itself, in the same order.
+// In a chunk these run once for all the chunk's rows (`chunk_rows`): each invocation computes its
+// matrix row for token row 0, then 1, ..., so the weight row is read from memory once per chunk.
 @compute @workgroup_size(64)
 fn mat_vec_q8_0_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
@@ -263,33 +266,36 @@ fn mat_vec_q8_0_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     }
     let nb = in_dim / 32u;
     let g = (row0 + r) / arg(2u);
-    var total = zero();
-    for (var c = 0u; c < nb; c = c + 32u) {
-        var acc = zero32();
-        for (var l = 0u; l < 32u && c + l < nb; l = l + 1u) {
-            let b = c + l;
-            var isum = 0;
-            let wq = (r * nb + b) * 8u;
-            let xq = (g * nb + b) * 8u;
-            for (var k = 0u; k < 8u; k = k + 1u) {
-                isum = isum + dot4i8(W[wq + k], XQ[xq + k]);
-            }
-            let hi = ws_off * 2u + r * nb + b;
-            let ws = h2f((W[hi / 2u] >> ((hi % 2u) * 16u)) & 0xffffu);
-            let dx = bitcast<f32>(XQ[d_off + g * nb + b]);
-            acc[l] = fadd(acc[l], fmul(fmul(ws, dx), f32(isum)));
+    for (var t = 0u; t < chunk_rows(); t = t + 1u) {
+        if (!guard_at(P.pos + t)) {
+            continue;
         }
-        total = fadd(total, tree32(&acc));
+        let xo = t * x_stride();
+        var total = zero();
+        for (var c = 0u; c < nb; c = c + 32u) {
+            var acc = zero32();
+            for (var l = 0u; l < 32u && c + l < nb; l = l + 1u) {
+                let b = c + l;
+                var isum = 0;
+                let wq = (r * nb + b) * 8u;
+                let xq = xo + (g * nb + b) * 8u;
+                for (var k = 0u; k < 8u; k = k + 1u) {
+                    isum = isum + dot4i8(W[wq + k], XQ[xq + k]);
+                }
+                let hi = ws_off * 2u + r * nb + b;
+                let ws = h2f((W[hi / 2u] >> ((hi % 2u) * 16u)) & 0xffffu);
+                let dx = bitcast<f32>(XQ[xo + d_off + g * nb + b]);
+                acc[l] = fadd(acc[l], fmul(fmul(ws, dx), f32(isum)));
+            }
+            total = fadd(total, tree32(&acc));
+        }
+        OUT[t * out_stride() + row0 + r] = total;
     }
-    OUT[row0 + r] = total;
 }
 
 @compute @workgroup_size(64)
 fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                     @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
@@ -297,29 +303,31 @@ fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     if (r >= rows) {
         return;
     }
-    let xg = ((row0 + r) / arg(2u)) * in_dim;
     let wr = r * in_dim;
-    var total = zero();
-    for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
-        var acc = zero32();
-        for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 2u) {
-            // Two halves per word (in_dim is even, so a pair never straddles a chunk).
-            let w = W[(wr + c0 + j) / 2u];
-            let l = (j / 8u) % 32u;
-            acc[l] = fadd(acc[l], fmul(h2f(w & 0xffffu), X[xg + c0 + j]));
-            acc[l] = fadd(acc[l], fmul(h2f(w >> 16u), X[xg + c0 + j + 1u]));
+    for (var t = 0u; t < chunk_rows(); t = t + 1u) {
+        if (!guard_at(P.pos + t)) {
+            continue;
         }
-        total = fadd(total, tree32(&acc));
+        let xg = t * x_stride() + ((row0 + r) / arg(2u)) * in_dim;
+        var total = zero();
+        for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
+            var acc = zero32();
+            for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 2u) {
+                // Two halves per word (in_dim is even, so a pair never straddles a chunk).
+                let w = W[(wr + c0 + j) / 2u];
+                let l = (j / 8u) % 32u;
+                acc[l] = fadd(acc[l], fmul(h2f(w & 0xffffu), X[xg + c0 + j]));
+                acc[l] = fadd(acc[l], fmul(h2f(w >> 16u), X[xg + c0 + j + 1u]));
+            }
+            total = fadd(total, tree32(&acc));
+        }
+        OUT[t * out_stride() + row0 + r] = total;
     }
-    OUT[row0 + r] = total;
 }
 
 @compute @workgroup_size(64)
 fn mat_vec_f32_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                     @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
@@ -327,18 +335,23 @@ fn mat_vec_f32_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     if (r >= rows) {
         return;
     }
-    let xg = ((row0 + r) / arg(2u)) * in_dim;
     let wr = r * in_dim;
-    var total = zero();
-    for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
-        var acc = zero32();
-        for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 1u) {
-            let l = (j / 4u) % 32u;
-            acc[l] = fadd(acc[l], fmul(bitcast<f32>(W[wr + c0 + j]), X[xg + c0 + j]));
+    for (var t = 0u; t < chunk_rows(); t = t + 1u) {
+        if (!guard_at(P.pos + t)) {
+            continue;
         }
-        total = fadd(total, tree32(&acc));
+        let xg = t * x_stride() + ((row0 + r) / arg(2u)) * in_dim;
+        var total = zero();
+        for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
+            var acc = zero32();
+            for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 1u) {
+                let l = (j / 4u) % 32u;
+                acc[l] = fadd(acc[l], fmul(bitcast<f32>(W[wr + c0 + j]), X[xg + c0 + j]));
+            }
+            total = fadd(total, tree32(&acc));
+        }
+        OUT[t * out_stride() + row0 + r] = total;
     }
-    OUT[row0 + r] = total;
 }
 
 // Split-K for narrow matrices (few rows, long rows): one workgroup per row, subgroup s of its 8

@@ -22,9 +22,14 @@
 @compute @workgroup_size(256)
 fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    // In a chunk, one dispatch normalizes every row of the chunk: row wid.z, whose X and OUT rows
+    // start x_stride() and out_stride() words after the previous row's (0 in a decode program;
+    // only without q8, q8k and rope, which write one row).
+    if (!guard_at(P.pos + wid.z)) {
         return;
     }
+    let xo = wid.z * x_stride();
+    let oo = wid.z * out_stride();
     let n = arg(0u);
     let eps = argf(1u);
     let has_w = arg(2u) != 0u;
@@ -39,7 +44,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (!live) {
         end = begin;
     }
-    let scale = row_scale(row, n, eps, lid);
+    let scale = row_scale(xo + row, n, eps, lid);
     let q8 = arg(6u) != 0u;
     let q8k = arg(7u) != 0u;
     let rope = arg(8u) != 0u;
@@ -50,7 +55,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let i = i0 + lid;
         var v = 0.0;
         if (i < end) {
-            v = fmul(X[row + i], scale);
+            v = fmul(X[xo + row + i], scale);
             if (has_w) {
                 v = fmul(v, WV[i]);
             }
@@ -77,7 +82,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             workgroupBarrier();
         }
         if (i < end) {
-            OUT[row + i] = v;
+            OUT[oo + row + i] = v;
         }
         if (q8) {
             let q = q8_block(v, lid);

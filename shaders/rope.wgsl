@@ -5,11 +5,12 @@
 @group(0) @binding(3) var<storage, read> TABLE: array<f32>;
 
 // (cos, sin) of pair k (of `pairs`) at the table position of args 3-5 (pos_mode: 0 the current
-// position, 1 the compressed row's pos + 1 - ratio; inverse: sin negated), for both entry points.
-fn rope_cos_sin(k: u32, pairs: u32) -> vec2<f32> {
-    var pos = P.pos;
+// position `cur`, 1 the compressed row's cur + 1 - ratio; inverse: sin negated), for both entry
+// points.
+fn rope_cos_sin(k: u32, pairs: u32, cur: u32) -> vec2<f32> {
+    var pos = cur;
     if (arg(3u) == 1u) {
-        pos = select(0u, P.pos + 1u - arg(4u), P.pos + 1u >= arg(4u));
+        pos = select(0u, cur + 1u - arg(4u), cur + 1u >= arg(4u));
     }
     let c = TABLE[(pos * pairs + k) * 2u];
     var s = TABLE[(pos * pairs + k) * 2u + 1u];
@@ -19,10 +20,13 @@ fn rope_cos_sin(k: u32, pairs: u32) -> vec2<f32> {
     return vec2<f32>(c, s);
 }
 
-// args: n_head, head_dim, n_rot, pos_mode (0: pos, 1: pos + 1 - ratio), ratio, inverse.
+// args: n_head, head_dim, n_rot, pos_mode (0: pos, 1: pos + 1 - ratio), ratio, inverse. In a
+// chunk, one dispatch rotates every row of the chunk: row wid.z, at its own position, whose X
+// starts x_stride() words after the previous row's (0 in a decode program).
 @compute @workgroup_size(128)
 fn rope_tail(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    let cur = P.pos + wid.z;
+    if (!guard_at(cur)) {
         return;
     }
     let n_head = arg(0u);
@@ -35,8 +39,8 @@ fn rope_tail(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     }
     let h = t / pairs;
     let k = t % pairs;
-    let cs = rope_cos_sin(k, pairs);
-    let i = h * head_dim + (head_dim - n_rot) + 2u * k;
+    let cs = rope_cos_sin(k, pairs, cur);
+    let i = wid.z * x_stride() + h * head_dim + (head_dim - n_rot) + 2u * k;
     let x0 = X[i];
     let x1 = X[i + 1u];
     X[i] = fsub(fmul(x0, cs.x), fmul(x1, cs.y));
@@ -74,7 +78,7 @@ fn rope_tail_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let tail = head_dim - n_rot;
     let d = i % head_dim;
     if (i < n && d >= tail) {
-        let cs = rope_cos_sin((d - tail) / 2u, pairs);
+        let cs = rope_cos_sin((d - tail) / 2u, pairs, P.pos);
         let c = cs.x;
         let s = cs.y;
         let first = lid - (d - tail) % 2u;

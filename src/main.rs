@@ -162,7 +162,7 @@ struct ModelArgs {
     #[arg(long, value_name = "N")]
     cache_slots: Option<usize>,
     /// Prompt tokens per prefill step (1: token by token). Default: the backend's (64 on the
-    /// cpu; batched prefill is CPU-only for now, the GPU backends feed token by token).
+    /// cpu, 16 on wgpu; cuda has no batched prefill yet and feeds token by token).
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     prefill_chunk: Option<usize>,
 }

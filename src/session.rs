@@ -76,7 +76,7 @@ impl Session {
         let mut chunk = chunk.min(ctx);
         if chunk > 1 && backend.default_prefill_chunk() <= 1 {
             warnings.push(format!(
-                "{} backend: batched prefill is CPU-only for now; prefilling token by token",
+                "{} backend: no batched prefill for now (cpu and wgpu only); prefilling token by token",
                 backend.name()
             ));
             chunk = 1;

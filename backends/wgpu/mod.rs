@@ -76,6 +76,11 @@ pub fn wgsl_constants() -> String {
 #[cfg(feature = "wgpu")]
 pub use imp::{WgpuBackend, WgpuExecutable};
 
+/// Prompt tokens per prefill chunk by default. A chunk runs each op's decode dispatch once per
+/// row (with that row's buffers and parameters) in one submit, so a larger chunk saves only
+/// submits and waits, while its scratch and bind groups grow with it.
+pub const DEFAULT_PREFILL_CHUNK: usize = 16;
+
 /// Choices the backend makes from the adapter, which tests can force.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Tuning {
@@ -212,6 +217,9 @@ mod imp {
         fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
             WgpuExecutable::new(self, program, model).map(|e| Box::new(e) as Box<dyn Executable>)
         }
+        fn default_prefill_chunk(&self) -> usize {
+            super::DEFAULT_PREFILL_CHUNK
+        }
         fn describe(&self) -> Option<String> {
             Some(self.adapter())
         }
@@ -240,6 +248,67 @@ mod imp {
         single_ops: Vec<Resolved>,
         _weights: Vec<wgpu::Buffer>,
         warnings: Vec<String>,
+        /// What a chunk program's dispatches bind besides their own buffers, and how the decode
+        /// program was planned (a chunk program must lay out its weights the same way).
+        res: Shared,
+        chunk: Option<Chunk>,
+    }
+
+    /// The executable's weights, tables and pipelines, which an attached chunk program shares.
+    struct Shared {
+        weights: Vec<wgpu::Buffer>,
+        /// Chunk k of weight w is `weights[wmap[w] + k]`.
+        wmap: Vec<usize>,
+        grid: wgpu::Buffer,
+        ropes: Vec<wgpu::Buffer>,
+        dummy: wgpu::Buffer,
+        dummy_out: wgpu::Buffer,
+        pipeline_of: HashMap<&'static str, usize>,
+        /// The bindings each entry point uses.
+        used_of: HashMap<&'static str, Vec<u32>>,
+        layouts: Vec<Option<Layout>>,
+        plan_ropes: Vec<(crate::model::RopeParams, u32)>,
+        max_binding: u64,
+        rows: bool,
+    }
+
+    /// An attached chunk program (`Executable::attach_chunk`): its plan's dispatches, each with
+    /// one bind group per row. Row `r` of a dispatch is the decode dispatch of the same op with
+    /// the step parameters of row `r` (`StepParams::row`: its token and position, so predicates
+    /// and bounds are per row) and row `r` of every scratch buffer and scratch area; state
+    /// buffers are the decode program's own.
+    struct Chunk {
+        program: Arc<Program>,
+        /// Row r's step parameters at byte `r * ARGS_STRIDE`.
+        params: wgpu::Buffer,
+        /// The chunk program's scratch buffers, one row every `stride[b]` bytes; `None` for
+        /// state buffers (bound to the decode program's).
+        bufs: Vec<Option<wgpu::Buffer>>,
+        stride: Vec<u64>,
+        dispatches: Vec<ChunkDispatch>,
+        _keep: Vec<wgpu::Buffer>,
+        /// Tokens in the last chunk run.
+        count: u32,
+    }
+
+    struct ChunkDispatch {
+        pipeline: usize,
+        /// One per row of the program.
+        rows: Vec<wgpu::BindGroup>,
+        groups: (u32, u32),
+        /// The row loop of its op (`Step::seq`): `None` runs for every row before the next
+        /// dispatch; consecutive dispatches of one loop run row by row.
+        seq: Option<u32>,
+        /// One dispatch computes every row (its one bind group is row 0's), and how.
+        batched: Option<Batch>,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Batch {
+        /// Each invocation loops over the chunk's rows (`chunk_rows`).
+        Loop,
+        /// Row `r` is the workgroups with `workgroup_id.z == r`.
+        Grid,
     }
 
     /// Pads bytes to a whole number of 4-byte words (at least one).
@@ -413,6 +482,7 @@ mod imp {
                 HashMap::new();
             let mut pipelines = Vec::new();
             let mut pipeline_of: HashMap<&'static str, usize> = HashMap::new();
+            let mut used_of: HashMap<&'static str, Vec<u32>> = HashMap::new();
             let mut dispatches = Vec::with_capacity(all.len());
             let max_x = device.limits().max_compute_workgroups_per_dimension.min(plan::MAX_GROUPS_X);
             for (i, d) in all.iter().enumerate() {
@@ -454,6 +524,7 @@ mod imp {
                 };
                 let used = used_bindings(m, info, d.entry)
                     .ok_or_else(|| err(format!("shaders/{file}.wgsl has no entry point '{}'", d.entry)))?;
+                used_of.insert(d.entry, used.clone());
                 let mut entries = Vec::with_capacity(used.len());
                 for b in used {
                     let resource = match b {
@@ -503,17 +574,273 @@ mod imp {
                 pipelines,
                 dispatches,
                 single_ops,
-                _weights: weights
-                    .into_iter()
-                    .chain([grid, dummy, dummy_out, args])
-                    .chain(ropes)
-                    .chain(scratch.into_values())
-                    .collect(),
+                _weights: [args].into_iter().chain(scratch.into_values()).collect(),
                 warnings: Vec::new(),
+                res: Shared {
+                    weights,
+                    wmap,
+                    grid,
+                    ropes,
+                    dummy,
+                    dummy_out,
+                    pipeline_of,
+                    used_of,
+                    layouts: plan.layouts,
+                    plan_ropes: plan.ropes,
+                    max_binding: be.max_binding,
+                    rows: be.rows,
+                },
+                chunk: None,
             };
             exe.check_errors()?;
             exe.reset()?;
             Ok(exe)
+        }
+
+        /// Compiles a chunk program to run on this executable's state (`attach_chunk`).
+        fn make_chunk(&self, chunk: Arc<Program>) -> Result<Chunk, BackendError> {
+            let res = &self.res;
+            if chunk.tokens().is_none() {
+                return Err(err("a chunk program needs more than one row"));
+            }
+            if chunk.positions() != self.program.positions() || chunk.n_vocab() != self.program.n_vocab() {
+                return Err(err("the chunk program was recorded for another context or model"));
+            }
+            if chunk.weights() != self.program.weights() {
+                return Err(err("the chunk program reads other weights than the decode program"));
+            }
+            let state = chunk.state_binding(&self.program).map_err(|e| err(format!("chunk program: {e}")))?;
+            // One op per dispatch: a fused dispatch could join a row loop's op to a batch op.
+            let plan = plan::plan(&chunk, res.max_binding, res.rows, false).map_err(err)?;
+            if plan.layouts != res.layouts || plan.ropes != res.plan_ropes {
+                return Err(err("the chunk program lays out its weights or RoPE tables differently"));
+            }
+            let device = &self.device;
+            let rows = chunk.rows() as u64;
+            let limits = device.limits();
+            let align = (limits.min_storage_buffer_offset_alignment as u64).max(ARGS_STRIDE);
+            let stride_of = |bytes: u64| bytes.div_ceil(align).max(1) * align;
+            let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
+            let sized = |label: &str, bytes: u64| -> Result<wgpu::Buffer, BackendError> {
+                if bytes > limits.max_buffer_size {
+                    return Err(err(format!(
+                        "the chunk's '{label}' ({rows} rows) needs {bytes} bytes, more than the adapter's largest \
+                         buffer; use a smaller --prefill-chunk"
+                    )));
+                }
+                Ok(device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size: bytes,
+                    usage: storage,
+                    mapped_at_creation: false,
+                }))
+            };
+            let mut state_of = vec![None; chunk.buffers().len()];
+            for &(c, d) in &state {
+                state_of[c.0 as usize] = Some(d);
+            }
+            let mut bufs = Vec::with_capacity(chunk.buffers().len());
+            let mut stride = Vec::with_capacity(chunk.buffers().len());
+            for (i, d) in chunk.buffers().iter().enumerate() {
+                let st = stride_of(d.len as u64 * 4);
+                stride.push(st);
+                bufs.push(match state_of[i] {
+                    Some(_) => None,
+                    None => Some(sized(&d.name, rows * st)?),
+                });
+            }
+            let mut scratch: HashMap<Scratch, (wgpu::Buffer, u64, u64)> = HashMap::new();
+            for &(k, bytes) in &plan.scratch {
+                let bytes = bytes.div_ceil(4).max(1) * 4;
+                let st = stride_of(bytes);
+                scratch.insert(k, (sized(&format!("{k:?}"), rows * st)?, st, bytes));
+            }
+            let params = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("chunk step params"),
+                size: rows * ARGS_STRIDE,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            // Batched: one dispatch for all rows, with the row strides in words of X (or its Q8_0
+            // scratch) and OUT in argument words 26 and 27 (`chunk_rows` in shaders/common.wgsl):
+            // the matvecs with one invocation per matrix row loop over the chunk's rows; the RMS
+            // norm (without the quantizations and RoPE it fuses in a decode plan), SwiGLU, Add,
+            // the Q8_0 quantization and RoPE (each row at its position) take a row per workgroup
+            // along z.
+            let scratch_buf = |d: &plan::Dispatch, b: u32| match d.binds.iter().find(|(k, _)| *k == b) {
+                Some(&(_, Res::Buf(x))) if state_of[x.0 as usize].is_none() => Some(stride[x.0 as usize]),
+                Some(&(_, Res::Scratch(s))) => scratch.get(&s).map(|e| e.1),
+                _ => None,
+            };
+            let max_z = limits.max_compute_workgroups_per_dimension as u64;
+            let batched: Vec<Option<(u64, u64, Batch)>> = plan
+                .dispatches
+                .iter()
+                .map(|d| {
+                    let (x, out, how) = match d.entry {
+                        "mat_vec_q8_0_rows" => (5, 4, Batch::Loop),
+                        "mat_vec_f16_rows" | "mat_vec_f32_rows" => (3, 4, Batch::Loop),
+                        "rms_norm" if d.args[6..10] == [0; 4] && rows <= max_z => (2, 3, Batch::Grid),
+                        "quantize_q8_0" if rows <= max_z => (3, 5, Batch::Grid),
+                        // Only X has rows (the out stride is unread).
+                        "rope_tail" if rows <= max_z => (2, 2, Batch::Grid),
+                        // Three vectors of one length: one stride (swiglu without its Q8_0).
+                        "swiglu" | "add" if (d.entry == "add" || d.args[2] == 0) && rows <= max_z => {
+                            let s = [2, 3, 4].map(|b| scratch_buf(d, b));
+                            if s[0].is_none() || s[0] != s[1] || s[0] != s[2] {
+                                return None;
+                            }
+                            (2, 4, Batch::Grid)
+                        }
+                        _ => return None,
+                    };
+                    let in_loop = chunk.steps()[d.op].seq.is_some();
+                    let (xs, os) = (scratch_buf(d, x)?, scratch_buf(d, out)?);
+                    (!in_loop && d.args.len() <= 26).then_some((xs / 4, os / 4, how))
+                })
+                .collect();
+            let mut words = vec![0u32; plan.dispatches.len() * ARGS_STRIDE as usize / 4];
+            for (i, d) in plan.dispatches.iter().enumerate() {
+                let at = i * ARGS_STRIDE as usize / 4;
+                words[at..at + 3].copy_from_slice(&d.cond);
+                words[at + 4..at + 4 + d.args.len()].copy_from_slice(&d.args);
+                if let Some((xs, os, _)) = batched[i] {
+                    words[at + 4 + 26] = xs as u32;
+                    words[at + 4 + 27] = os as u32;
+                }
+            }
+            use wgpu::util::DeviceExt;
+            let args = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("chunk dispatch args"),
+                contents: bytemuck::cast_slice(&words),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+            let range = |buffer, offset, size: u64| {
+                wgpu::BindingResource::Buffer(wgpu::BufferBinding { buffer, offset, size: wgpu::BufferSize::new(size) })
+            };
+            let max_x = limits.max_compute_workgroups_per_dimension.min(plan::MAX_GROUPS_X);
+            let mut dispatches = Vec::with_capacity(plan.dispatches.len());
+            for (i, d) in plan.dispatches.iter().enumerate() {
+                let named = |e: String| err(format!("chunk program: op #{} ({}): {e}", d.op, d.entry));
+                let pipeline = *res
+                    .pipeline_of
+                    .get(d.entry)
+                    .ok_or_else(|| named("no pipeline: the decode program never dispatches this entry".into()))?;
+                let used = &res.used_of[d.entry];
+                let layout = self.pipelines[pipeline].get_bind_group_layout(0);
+                let mut per_row = Vec::with_capacity(rows as usize);
+                // A batched dispatch has one bind group: row 0's parameters, whole buffers.
+                let whole = batched[i].is_some();
+                for r in 0..if whole { 1 } else { rows } {
+                    let mut entries = Vec::with_capacity(used.len());
+                    for &b in used {
+                        let resource = match b {
+                            0 => range(&params, r * ARGS_STRIDE, 16),
+                            1 => range(&args, i as u64 * ARGS_STRIDE, 128),
+                            _ => {
+                                let bound = d.binds.iter().find(|(k, _)| *k == b).map(|&(_, x)| x);
+                                match bound.ok_or_else(|| named(format!("binding {b} is not planned")))? {
+                                    Res::Buf(x) => match (state_of[x.0 as usize], &bufs[x.0 as usize]) {
+                                        (Some(dx), _) => self.bufs[dx.0 as usize].as_entire_binding(),
+                                        (None, Some(buf)) if whole => buf.as_entire_binding(),
+                                        (None, Some(buf)) => {
+                                            let len = chunk.buffer(x).len as u64 * 4;
+                                            range(buf, r * stride[x.0 as usize], len.max(4))
+                                        }
+                                        (None, None) => return Err(named(format!("buffer {} is missing", x.0))),
+                                    },
+                                    Res::Weight(w, k) => {
+                                        res.weights[res.wmap[w.0 as usize] + k as usize].as_entire_binding()
+                                    }
+                                    Res::Vector(w) => res.weights[res.wmap[w.0 as usize]].as_entire_binding(),
+                                    Res::Scratch(s) => {
+                                        let (buf, st, bytes) =
+                                            scratch.get(&s).ok_or_else(|| named(format!("no scratch {s:?}")))?;
+                                        match whole {
+                                            true => buf.as_entire_binding(),
+                                            false => range(buf, r * st, *bytes),
+                                        }
+                                    }
+                                    Res::Grid => res.grid.as_entire_binding(),
+                                    Res::Rope(t) => res.ropes[t as usize].as_entire_binding(),
+                                    Res::Dummy => res.dummy.as_entire_binding(),
+                                    Res::DummyOut => res.dummy_out.as_entire_binding(),
+                                }
+                            }
+                        };
+                        entries.push(wgpu::BindGroupEntry { binding: b, resource });
+                    }
+                    per_row.push(device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some(d.entry),
+                        layout: &layout,
+                        entries: &entries,
+                    }));
+                }
+                let x = d.groups.min(max_x);
+                let y = d.groups.div_ceil(x);
+                let seq = chunk.steps()[d.op].seq;
+                let batched = batched[i].map(|b| b.2);
+                dispatches.push(ChunkDispatch { pipeline, rows: per_row, groups: (x, y), seq, batched });
+            }
+            let keep = [args].into_iter().chain(scratch.into_values().map(|(b, _, _)| b)).collect();
+            self.check_errors()?;
+            Ok(Chunk { program: chunk, params, bufs, stride, dispatches, _keep: keep, count: 0 })
+        }
+
+        /// Runs the attached chunk program on `tokens` (`step_chunk`): batch dispatches for every
+        /// row before the next dispatch, a row loop's dispatches row by row; one submit.
+        fn run_chunk(&mut self, p: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+            let chunk = self.chunk.as_mut().ok_or_else(|| err("no chunk program is attached"))?;
+            chunk.program.check_chunk(p, tokens).map_err(err)?;
+            let mut words = vec![0u32; tokens.len() * ARGS_STRIDE as usize / 4];
+            for (r, &t) in tokens.iter().enumerate() {
+                let row = p.row(r as u32, t);
+                let at = r * ARGS_STRIDE as usize / 4;
+                words[at..at + 2].copy_from_slice(&[row.token, row.pos]);
+            }
+            // Row 0's parameters carry the chunk's length, for the batched dispatches.
+            words[3] = tokens.len() as u32;
+            self.queue.write_buffer(&chunk.params, 0, bytemuck::cast_slice(&words));
+            let count = tokens.len();
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("chunk") });
+            {
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                let list = &chunk.dispatches;
+                let mut i = 0;
+                while i < list.len() {
+                    let end = match list[i].seq {
+                        None => i + 1,
+                        Some(k) => i + list[i..].iter().take_while(|d| d.seq == Some(k)).count(),
+                    };
+                    if let Some(how) = list[i].batched {
+                        let d = &list[i];
+                        let z = if how == Batch::Grid { count as u32 } else { 1 };
+                        pass.set_pipeline(&self.pipelines[d.pipeline]);
+                        pass.set_bind_group(0, &d.rows[0], &[]);
+                        pass.dispatch_workgroups(d.groups.0, d.groups.1, z);
+                        i = end;
+                        continue;
+                    }
+                    for r in 0..count {
+                        for d in &list[i..end] {
+                            pass.set_pipeline(&self.pipelines[d.pipeline]);
+                            pass.set_bind_group(0, &d.rows[r], &[]);
+                            pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                        }
+                    }
+                    i = end;
+                }
+            }
+            // The decode program's logits are the last token's, as after a decode step.
+            let lb = chunk.program.logits().0 as usize;
+            let (src, st) = (chunk.bufs[lb].as_ref().ok_or_else(|| err("the logits are state"))?, chunk.stride[lb]);
+            let bytes = self.program.n_vocab() as u64 * 4;
+            let dst = &self.bufs[self.program.logits().0 as usize];
+            enc.copy_buffer_to_buffer(src, (count as u64 - 1) * st, dst, 0, bytes);
+            chunk.count = count as u32;
+            self.queue.submit([enc.finish()]);
+            self.check_errors()
         }
 
         /// The first validation or device error wgpu reported since the last check.
@@ -707,6 +1034,30 @@ mod imp {
                 self.queue.write_buffer(b, 0, bytemuck::cast_slice(&vec![word; d.len.max(1)]));
             }
             self.wait()
+        }
+
+        fn attach_chunk(&mut self, chunk: Arc<Program>) -> Result<(), BackendError> {
+            self.chunk = Some(self.make_chunk(chunk)?);
+            Ok(())
+        }
+
+        fn step_chunk(&mut self, params: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+            self.run_chunk(params, tokens)
+        }
+
+        fn read_chunk_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+            let chunk = self.chunk.as_ref().ok_or_else(|| err("no chunk program is attached"))?;
+            let lb = chunk.program.logits().0 as usize;
+            let (buf, st) = (chunk.bufs[lb].as_ref().ok_or_else(|| err("the logits are state"))?, chunk.stride[lb]);
+            let n_vocab = chunk.program.n_vocab();
+            let count = chunk.count as usize;
+            let raw = self.read_raw(buf, count as u64 * st)?;
+            out.clear();
+            for r in 0..count {
+                let row = &raw[r * st as usize..r * st as usize + n_vocab * 4];
+                out.extend(row.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+            }
+            Ok(())
         }
 
         fn nodes_per_token(&self) -> Option<usize> {

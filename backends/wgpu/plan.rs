@@ -942,8 +942,10 @@ fn comp_ratio(b: BoundKind) -> Result<u32, String> {
 /// `rows` picks the one-invocation-per-row matvecs. With `fuse`, runs of ops share dispatches
 /// (the plan a token uses); without, every dispatch computes one op (for running single ops).
 pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Result<Plan, String> {
-    if program.rows() > 1 {
-        return Err(format!("{} (a chunk program of {} rows)", crate::backend::NO_CHUNK_PROGRAMS, program.rows()));
+    // A chunk program runs each dispatch once per row, and a row loop's dispatches row by row:
+    // a fused dispatch could join ops of a row loop and batch ops, so it is planned unfused.
+    if program.rows() > 1 && fuse {
+        return Err(format!("a chunk program ({} rows) is planned one op per dispatch, not fused", program.rows()));
     }
     let mut b = Builder {
         program,
