@@ -14,7 +14,7 @@ use ds4::recorder::StepParams;
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
 
-use common::{golden, golden_tokens};
+use common::{chunked, golden, golden_tokens, same_bits, token_by_token};
 
 fn tiny_a() -> Arc<Model> {
     Model::open(golden("tiny-a/model.gguf")).unwrap()
@@ -22,35 +22,6 @@ fn tiny_a() -> Arc<Model> {
 
 fn canonical() -> CpuBackend {
     CpuBackend::with_numerics(0, Numerics::Canonical).unwrap()
-}
-
-/// The logits after every token, fed one at a time through the decode program.
-fn token_by_token(model: &Arc<Model>, backend: &dyn Backend, tokens: &[u32], ctx: usize) -> Vec<Vec<f32>> {
-    let mut s = Session::with_prefill_chunk(model.clone(), backend, ctx, 1).unwrap();
-    tokens.iter().map(|&t| s.eval(t).unwrap().to_vec()).collect()
-}
-
-/// The logits after every token, fed with `feed_with_logits` in `pieces` (so chunks straddle
-/// the calls' boundaries too).
-fn chunked(s: &mut Session, tokens: &[u32], pieces: &[usize]) -> Vec<Vec<f32>> {
-    let mut rows = Vec::new();
-    let mut at = 0;
-    for &end in pieces.iter().chain([&tokens.len()]) {
-        let fed = s
-            .feed_with_logits(&tokens[at..end], |i, l| {
-                assert_eq!(at + i, rows.len(), "one call per token, in order");
-                rows.push(l.to_vec());
-                true
-            })
-            .unwrap();
-        assert_eq!(fed, end - at);
-        at = end;
-    }
-    rows
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// Every state buffer of the two sessions (KV ring, compressed caches, compressor windows).

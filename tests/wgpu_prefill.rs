@@ -16,7 +16,7 @@ use ds4::numerics::Numerics;
 use ds4::session::Session;
 use ds4::synth::{self, Preset};
 
-use common::{golden, golden_tokens};
+use common::{chunked, golden, golden_tokens, same_bits, token_by_token};
 
 fn wgpu_backend() -> Box<dyn Backend> {
     let opts = BackendOptions { threads: 0, graphs: false, numerics: Numerics::Canonical, ..Default::default() };
@@ -28,49 +28,20 @@ fn canonical() -> CpuBackend {
     CpuBackend::with_numerics(0, Numerics::Canonical).unwrap()
 }
 
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-/// The canonical CPU's logits after every token of `tokens` then of `after`, fed one at a time.
-fn cpu_token_by_token(model: &Arc<Model>, tokens: &[u32], after: &[u32], ctx: usize) -> Vec<Vec<f32>> {
-    let cpu = canonical();
-    let mut s = Session::with_prefill_chunk(model.clone(), &cpu, ctx, 1).unwrap();
-    tokens.iter().chain(after).map(|&t| s.eval(t).unwrap().to_vec()).collect()
-}
-
-/// The logits after every token of `tokens`, fed with `feed_with_logits` in `pieces` (so chunks
-/// start at positions that are not multiples of the chunk), then after each of `after`, fed by
-/// decode steps.
-fn chunked(s: &mut Session, tokens: &[u32], pieces: &[usize], after: &[u32]) -> Vec<Vec<f32>> {
-    let mut rows = Vec::new();
-    let mut at = 0;
-    for &end in pieces.iter().chain([&tokens.len()]) {
-        let fed = s
-            .feed_with_logits(&tokens[at..end], |i, l| {
-                assert_eq!(at + i, rows.len(), "one call per token, in order");
-                rows.push(l.to_vec());
-                true
-            })
-            .unwrap();
-        assert_eq!(fed, end - at);
-        at = end;
-    }
-    rows.extend(after.iter().map(|&t| s.eval(t).unwrap().to_vec()));
-    rows
-}
-
 fn check(model: &Arc<Model>, tokens: &[u32], ctx: usize, chunks: &[usize], pieces: &[usize]) {
     check_on(wgpu_backend().as_ref(), model, tokens, ctx, chunks, pieces)
 }
 
 fn check_on(gpu: &dyn Backend, model: &Arc<Model>, tokens: &[u32], ctx: usize, chunks: &[usize], pieces: &[usize]) {
     let after = [5u32, 77, 300].map(|t| t % model.config.n_vocab as u32);
-    let want = cpu_token_by_token(model, tokens, &after, ctx);
+    let all: Vec<u32> = tokens.iter().chain(&after).copied().collect();
+    let want = token_by_token(model, &canonical(), &all, ctx);
     for &chunk in chunks {
         let mut s = Session::with_prefill_chunk(model.clone(), gpu, ctx, chunk).unwrap();
         assert_eq!(s.prefill_chunk(), chunk, "the wgpu backend runs chunks of {chunk}");
-        let got = chunked(&mut s, tokens, pieces, &after);
+        // The prompt in chunks, then three decode steps.
+        let mut got = chunked(&mut s, tokens, pieces);
+        got.extend(after.iter().map(|&t| s.eval(t).unwrap().to_vec()));
         assert_eq!(got.len(), want.len());
         let bad: Vec<usize> = (0..want.len()).filter(|&i| !same_bits(&got[i], &want[i])).collect();
         assert!(

@@ -4,6 +4,11 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use ds4::backend::Backend;
+use ds4::model::Model;
+use ds4::session::Session;
 
 /// A file or folder of the golden data, e.g. `golden("tiny-a/model.gguf")`.
 pub fn golden(rel: &str) -> PathBuf {
@@ -39,4 +44,34 @@ pub fn assert_refuses_positions_and_tokens_out_of_range(gpu: &dyn ds4::backend::
     let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
     let mut c = Session::new(model, &cpu, 16).unwrap();
     assert!(c.eval(5).unwrap().iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+/// Whether two logit rows are the same bits.
+pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The logits after every token, fed one at a time through the decode program.
+pub fn token_by_token(model: &Arc<Model>, backend: &dyn Backend, tokens: &[u32], ctx: usize) -> Vec<Vec<f32>> {
+    let mut s = Session::with_prefill_chunk(model.clone(), backend, ctx, 1).unwrap();
+    tokens.iter().map(|&t| s.eval(t).unwrap().to_vec()).collect()
+}
+
+/// The logits after every token, fed with `feed_with_logits` in `pieces` (so chunks straddle
+/// the calls' boundaries too).
+pub fn chunked(s: &mut Session, tokens: &[u32], pieces: &[usize]) -> Vec<Vec<f32>> {
+    let mut rows = Vec::new();
+    let mut at = 0;
+    for &end in pieces.iter().chain([&tokens.len()]) {
+        let fed = s
+            .feed_with_logits(&tokens[at..end], |i, l| {
+                assert_eq!(at + i, rows.len(), "one call per token, in order");
+                rows.push(l.to_vec());
+                true
+            })
+            .unwrap();
+        assert_eq!(fed, end - at);
+        at = end;
+    }
+    rows
 }
