@@ -272,6 +272,22 @@ mod imp {
         rows: bool,
     }
 
+    impl Shared {
+        /// The buffer of a planned resource both programs bind whole (weights, tables, dummies);
+        /// `None` for buffers and scratch, which each program binds its own way.
+        fn buffer(&self, r: Res) -> Option<&wgpu::Buffer> {
+            Some(match r {
+                Res::Weight(w, k) => &self.weights[self.wmap[w.0 as usize] + k as usize],
+                Res::Vector(w) => &self.weights[self.wmap[w.0 as usize]],
+                Res::Grid => &self.grid,
+                Res::Rope(t) => &self.ropes[t as usize],
+                Res::Dummy => &self.dummy,
+                Res::DummyOut => &self.dummy_out,
+                Res::Buf(_) | Res::Scratch(_) => return None,
+            })
+        }
+    }
+
     /// An attached chunk program (`Executable::attach_chunk`): its plan's dispatches, each with
     /// one bind group per row. Row `r` of a dispatch is the decode dispatch of the same op with
     /// the step parameters of row `r` (`StepParams::row`: its token and position, so predicates
@@ -457,8 +473,20 @@ mod imp {
                 .collect();
             let scratch: HashMap<Scratch, wgpu::Buffer> =
                 scratch_need.iter().map(|&(k, bytes)| (k, sized(&format!("{k:?}"), bytes))).collect();
-            let dummy = sized("dummy", 4);
-            let dummy_out = sized("dummy output", 4);
+            let mut shared = Shared {
+                weights,
+                wmap,
+                grid,
+                ropes,
+                dummy: sized("dummy", 4),
+                dummy_out: sized("dummy output", 4),
+                pipeline_of: HashMap::new(),
+                used_of: HashMap::new(),
+                layouts: plan.layouts.clone(),
+                plan_ropes: plan.ropes.clone(),
+                max_binding: be.max_binding,
+                rows: be.rows,
+            };
             let params = device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("step params"),
                 size: 16,
@@ -481,8 +509,6 @@ mod imp {
             let mut modules: HashMap<&'static str, (wgpu::ShaderModule, naga::Module, naga::valid::ModuleInfo)> =
                 HashMap::new();
             let mut pipelines = Vec::new();
-            let mut pipeline_of: HashMap<&'static str, usize> = HashMap::new();
-            let mut used_of: HashMap<&'static str, Vec<u32>> = HashMap::new();
             let mut dispatches = Vec::with_capacity(all.len());
             let max_x = device.limits().max_compute_workgroups_per_dimension.min(plan::MAX_GROUPS_X);
             for (i, d) in all.iter().enumerate() {
@@ -506,7 +532,7 @@ mod imp {
                     modules.insert(file, (sm, m, info));
                 }
                 let (sm, m, info) = &modules[file];
-                let p = match pipeline_of.get(d.entry) {
+                let p = match shared.pipeline_of.get(d.entry) {
                     Some(&p) => p,
                     None => {
                         let pl = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -518,13 +544,13 @@ mod imp {
                             cache: None,
                         });
                         pipelines.push(pl);
-                        pipeline_of.insert(d.entry, pipelines.len() - 1);
+                        shared.pipeline_of.insert(d.entry, pipelines.len() - 1);
                         pipelines.len() - 1
                     }
                 };
                 let used = used_bindings(m, info, d.entry)
                     .ok_or_else(|| err(format!("shaders/{file}.wgsl has no entry point '{}'", d.entry)))?;
-                used_of.insert(d.entry, used.clone());
+                shared.used_of.insert(d.entry, used.clone());
                 let mut entries = Vec::with_capacity(used.len());
                 for b in used {
                     let resource = match b {
@@ -540,13 +566,8 @@ mod imp {
                             })?;
                             let buf = match res {
                                 Res::Buf(x) => &bufs[x.0 as usize],
-                                Res::Weight(w, k) => &weights[wmap[w.0 as usize] + k as usize],
-                                Res::Vector(w) => &weights[wmap[w.0 as usize]],
                                 Res::Scratch(s) => scratch.get(&s).ok_or_else(|| err(format!("no scratch {s:?}")))?,
-                                Res::Grid => &grid,
-                                Res::Rope(r) => &ropes[r as usize],
-                                Res::Dummy => &dummy,
-                                Res::DummyOut => &dummy_out,
+                                other => shared.buffer(other).ok_or_else(|| err(format!("no buffer for {other:?}")))?,
                             };
                             buf.as_entire_binding()
                         }
@@ -576,20 +597,7 @@ mod imp {
                 single_ops,
                 _weights: [args].into_iter().chain(scratch.into_values()).collect(),
                 warnings: Vec::new(),
-                res: Shared {
-                    weights,
-                    wmap,
-                    grid,
-                    ropes,
-                    dummy,
-                    dummy_out,
-                    pipeline_of,
-                    used_of,
-                    layouts: plan.layouts,
-                    plan_ropes: plan.ropes,
-                    max_binding: be.max_binding,
-                    rows: be.rows,
-                },
+                res: shared,
                 chunk: None,
             };
             exe.check_errors()?;
@@ -749,10 +757,6 @@ mod imp {
                                         }
                                         (None, None) => return Err(named(format!("buffer {} is missing", x.0))),
                                     },
-                                    Res::Weight(w, k) => {
-                                        res.weights[res.wmap[w.0 as usize] + k as usize].as_entire_binding()
-                                    }
-                                    Res::Vector(w) => res.weights[res.wmap[w.0 as usize]].as_entire_binding(),
                                     Res::Scratch(s) => {
                                         let (buf, st, bytes) =
                                             scratch.get(&s).ok_or_else(|| named(format!("no scratch {s:?}")))?;
@@ -761,10 +765,10 @@ mod imp {
                                             false => range(buf, r * st, *bytes),
                                         }
                                     }
-                                    Res::Grid => res.grid.as_entire_binding(),
-                                    Res::Rope(t) => res.ropes[t as usize].as_entire_binding(),
-                                    Res::Dummy => res.dummy.as_entire_binding(),
-                                    Res::DummyOut => res.dummy_out.as_entire_binding(),
+                                    other => res
+                                        .buffer(other)
+                                        .ok_or_else(|| named(format!("no buffer for {other:?}")))?
+                                        .as_entire_binding(),
                                 }
                             }
                         };
