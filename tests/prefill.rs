@@ -137,7 +137,12 @@ fn a_backend_without_chunk_programs_falls_back_to_token_by_token() {
     let mut s = Session::with_prefill_chunk(model.clone(), &b, 64, 16).unwrap();
     assert_eq!(s.prefill_chunk(), 1);
     let w = s.take_warnings();
-    assert!(w.len() == 1 && w[0].contains("nochunks") && w[0].contains("for now"), "{w:?}");
+    assert!(
+        w.len() == 1
+            && w[0].contains("nochunks")
+            && w[0].contains("no batched prefill for now (cpu and wgpu only); prefilling token by token"),
+        "{w:?}"
+    );
     let got = s.prefill(tokens, |_| {}).unwrap().to_vec();
     assert!(s.take_warnings().is_empty(), "said once");
     let want = token_by_token(&model, &canonical(), tokens, 64);

@@ -1297,7 +1297,7 @@ mod tests {
         let model = Model::from_file(File::from_bytes("t", synth::build(&Preset::tiny(), 1)).unwrap()).unwrap();
         let chunk = crate::decode::record(&model, Caps { ctx: 64 }, 8, 8).unwrap();
         let e = plan(&chunk, true, false).err().expect("refused");
-        assert!(e.contains("for now") && e.contains("8 rows"), "{e}");
+        assert!(e.contains(crate::backend::NO_CHUNK_PROGRAMS) && e.contains("8 rows"), "{e}");
     }
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
