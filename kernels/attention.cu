@@ -10,7 +10,7 @@
 // a thread per (chunk, dim) sums the chunk's rows, batches of chunks held in shared memory, and
 // the thread that owns a dim adds them in order (head_dim <= blockDim, plan.rs checks it).
 #define ATTN_PART 4096
-extern "C" __global__ void __launch_bounds__(1024) attention(DS4_ARGS, const AttentionArgs a) {
+extern "C" __global__ void __launch_bounds__(1024) attention(DS4_ARGS, AttentionArgs a) {
     DS4_GUARD;
     __shared__ float denom_sh;
     __shared__ float part[ATTN_PART];

@@ -4,12 +4,16 @@
 // prepended to this file (backends/cuda/args.rs, src/numerics.rs).
 
 
-// A predicate packed by the host: kind (2 bits) | ratio (16 bits) << 2 | top_k (32 bits) << 18.
+// A predicate packed by the host: kind (2 bits) | ratio (16 bits) << 2 | top_k (32 bits) << 18,
+// and bit 63 on a chunk program's launches: a row past the chunk's tokens (count 0) runs nothing.
 // kind 0: always; 1: a compressed row is emitted; 2: the indexer is active.
 __device__ __forceinline__ bool ds4_cond(const StepParams* P, u64 cond) {
     const u32 kind = (u32)(cond & 3);
     const u32 ratio = (u32)((cond >> 2) & 0xffff);
     const u32 top_k = (u32)(cond >> 18);
+#if DS4_CHUNK_ROWS
+    if ((cond >> 63) && P->count == 0) return false;
+#endif
     if (kind == 0) return true;
     if (kind == 1) return (P->pos + 1) % ratio == 0;
     return (P->pos + 1) / ratio > top_k;
@@ -26,16 +30,29 @@ __device__ __forceinline__ void ds4_wait_predecessor() {
 #endif
 }
 
-// Every kernel starts with these two parameters and this guard, so a predicated op is a launch
-// that returns at once: the launch list (and a captured graph) never changes.
-#define DS4_ARGS const StepParams* __restrict__ P, u64 cond
+// Every kernel starts with these parameters and one of the guards below, so a predicated op is
+// a launch that returns at once: the launch list (and a captured graph) never changes. In the
+// chunk build (DS4_CHUNK_ROWS 1) a launch covers its rows as blockIdx.y: the guard moves P and
+// the pointers of `a` to the row. The decode build ignores R and has no per-row code.
+#define DS4_ARGS const StepParams* __restrict__ P, u64 cond, const RowStrides R
+#if DS4_CHUNK_ROWS
+#define DS4_ROW                         \
+    if (blockIdx.y) {                   \
+        P += blockIdx.y;                \
+        ds4_row(a, R, blockIdx.y);      \
+    }
+#else
+#define DS4_ROW
+#endif
 #define DS4_GUARD                \
+    DS4_ROW                      \
     ds4_wait_predecessor();      \
     if (!ds4_cond(P, cond)) return
 // For kernels that load their weights before waiting (weights never change during a token; the
 // step parameters are written before the token starts): the predicate first, then the weight
 // loads, then ds4_wait_predecessor() before reading anything an earlier kernel writes.
 #define DS4_GUARD_EARLY              \
+    DS4_ROW                          \
     if (!ds4_cond(P, cond)) {        \
         ds4_wait_predecessor();      \
         return;                      \

@@ -21,7 +21,7 @@ __device__ __forceinline__ u64 cache_piece_offset(const u32* sizes, u32 p) {
     return off;
 }
 
-extern "C" __global__ void expert_cache_plan(DS4_ARGS, const ExpertCachePlanArgs a) {
+extern "C" __global__ void expert_cache_plan(DS4_ARGS, ExpertCachePlanArgs a) {
     DS4_GUARD;
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int* st = a.state;
@@ -80,7 +80,7 @@ extern "C" __global__ void expert_cache_plan(DS4_ARGS, const ExpertCachePlanArgs
     a.stats[2] += direct;
 }
 
-extern "C" __global__ void expert_cache_copy(DS4_ARGS, const ExpertCacheCopyArgs a) {
+extern "C" __global__ void expert_cache_copy(DS4_ARGS, ExpertCacheCopyArgs a) {
     DS4_GUARD;
     const int n_jobs = a.state[2];
     const u64* jobs = (const u64*)(a.state + a.state[3]);

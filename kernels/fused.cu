@@ -5,7 +5,7 @@
 // After the q and kv projections: each q head RMS-normalized in place (no weight) and its tail
 // rotated; the kv row RMS-normalized with its weight, rotated, fp8 round-tripped and stored into
 // the raw ring at pos % raw_cap. Blocks 0..n_head take a q head each, block n_head the kv row.
-extern "C" __global__ void qkv_finish(DS4_ARGS, const QkvFinishArgs a) {
+extern "C" __global__ void qkv_finish(DS4_ARGS, QkvFinishArgs a) {
     DS4_GUARD;
     const u32 hd = a.head_dim, pairs = a.n_rot / 2, h = blockIdx.x;
     const float* trow = a.table + (u64)P->pos * pairs * 2;
@@ -35,7 +35,7 @@ extern "C" __global__ void qkv_finish(DS4_ARGS, const QkvFinishArgs a) {
 // on an emit token (`emit_cond`), the pool, the RMS norm with weight, the RoPE of the row's tail
 // at its first position, the fp8 (quant 0) or Hadamard + FP4 (quant 1) round trip, the f16 store
 // as compressed row (pos+1)/ratio - 1, and for ratio 4 the window shift.
-extern "C" __global__ void compressor_update(DS4_ARGS, const CompressorUpdateArgs a) {
+extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
     DS4_GUARD;
     const u32 width = a.width, ratio = a.ratio, hd = a.head_dim, pos = P->pos;
     const u32 pos_mod = pos % ratio;
@@ -267,7 +267,7 @@ __device__ __forceinline__ void hc_pre_norm_chunk(const HcPreArgs& a, float s2, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS, const HcPreArgs a) {
+extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS, HcPreArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

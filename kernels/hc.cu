@@ -3,7 +3,7 @@
 // terms, sequentially, in ds4's order (the canonical order for these ops).
 
 // out[h*n_embd + d] = table[token][d] for each of the n_hc streams.
-extern "C" __global__ void embed_hc(DS4_ARGS, const EmbedHcArgs a) {
+extern "C" __global__ void embed_hc(DS4_ARGS, EmbedHcArgs a) {
     DS4_GUARD;
     const u32 d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= a.n_embd) return;
@@ -51,14 +51,14 @@ __device__ void hc_split_warp(const float* mix, const float* scale, const float*
     if (lane < 16) split[2 * n + k] = c;
 }
 
-extern "C" __global__ void hc_split(DS4_ARGS, const HcSplitArgs a) {
+extern "C" __global__ void hc_split(DS4_ARGS, HcSplitArgs a) {
     DS4_GUARD;
     if (blockIdx.x != 0 || a.n_hc != 4) return;
     hc_split_warp(a.mix, a.scale, a.base, a.split, a.iters, a.eps, true);
 }
 
 // out[d] = sum_h weights[h] * hc[h*n + d]
-extern "C" __global__ void hc_weighted_sum(DS4_ARGS, const HcWeightedSumArgs a) {
+extern "C" __global__ void hc_weighted_sum(DS4_ARGS, HcWeightedSumArgs a) {
     DS4_GUARD;
     const u32 d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= a.n) return;
@@ -73,7 +73,7 @@ extern "C" __global__ void hc_weighted_sum(DS4_ARGS, const HcWeightedSumArgs a) 
 // sum of squares, so with `ss` it also stores each 512-chunk's sum of squares of `out`, from which
 // the next hc_pre takes the RMS norm of the streams without reading them again. n % 4 == 0,
 // n_hc <= 4.
-extern "C" __global__ void hc_post(DS4_ARGS, const HcPostArgs a) {
+extern "C" __global__ void hc_post(DS4_ARGS, HcPostArgs a) {
     DS4_GUARD;
     const u32 lane = threadIdx.x & 31, chunk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const u32 total = a.n * a.n_hc, c0 = chunk * DS4_CHUNK;
@@ -123,7 +123,7 @@ extern "C" __global__ void hc_post(DS4_ARGS, const HcPostArgs a) {
 }
 
 // w = sigmoid(pre*scale + base) + eps, no Sinkhorn.
-extern "C" __global__ void hc_head_weights(DS4_ARGS, const HcHeadWeightsArgs a) {
+extern "C" __global__ void hc_head_weights(DS4_ARGS, HcHeadWeightsArgs a) {
     DS4_GUARD;
     const u32 i = threadIdx.x;
     if (i < a.n) a.out[i] = sigmoid_stable(a.pre[i] * a.scale[0] + a.base[i]) + a.eps;

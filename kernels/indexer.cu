@@ -5,7 +5,7 @@
 // ...: dot(q_h, k) in the canonical f32 order; then one thread adds the head terms
 // max(dot, 0) * (w_h * scale) sequentially, as the canonical profile defines.
 #define INDEXER_MAX_HEADS 128
-extern "C" __global__ void indexer_scores(DS4_ARGS, const IndexerScoresArgs a) {
+extern "C" __global__ void indexer_scores(DS4_ARGS, IndexerScoresArgs a) {
     DS4_GUARD;
     __shared__ float term[INDEXER_MAX_HEADS];
     const u32 n = ds4_comp_rows(P, a.ratio, a.cap);
@@ -27,7 +27,7 @@ extern "C" __global__ void indexer_scores(DS4_ARGS, const IndexerScoresArgs a) {
 }
 
 // One block of 1024 threads. `taken` is scratch with one int per row of capacity.
-extern "C" __global__ void indexer_top_k(DS4_ARGS, const IndexerTopKArgs a) {
+extern "C" __global__ void indexer_top_k(DS4_ARGS, IndexerTopKArgs a) {
     DS4_GUARD;
     const float* scores = a.scores;
     int* out = a.out;

@@ -41,7 +41,7 @@ __device__ __forceinline__ void fp8_round_trip_block(float* x, u32 n) {
 }
 
 // One warp per 64 non-RoPE dims.
-extern "C" __global__ void fp8_round_trip(DS4_ARGS, const Fp8RoundTripArgs a) {
+extern "C" __global__ void fp8_round_trip(DS4_ARGS, Fp8RoundTripArgs a) {
     DS4_GUARD;
     fp8_group_warp(a.x + blockIdx.x * 64, threadIdx.x & 31);
 }
@@ -90,13 +90,13 @@ __device__ void indexer_qat_block(float* row) {
 }
 
 // One block of 128 threads per row.
-extern "C" __global__ void indexer_qat(DS4_ARGS, const IndexerQatArgs a) {
+extern "C" __global__ void indexer_qat(DS4_ARGS, IndexerQatArgs a) {
     DS4_GUARD;
     indexer_qat_block(a.x + (u64)blockIdx.x * 128);
 }
 
 // The token's KV row, f16-rounded, into ring row pos % raw_cap.
-extern "C" __global__ void store_raw(DS4_ARGS, const StoreRawArgs a) {
+extern "C" __global__ void store_raw(DS4_ARGS, StoreRawArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= a.dim) return;
@@ -104,7 +104,7 @@ extern "C" __global__ void store_raw(DS4_ARGS, const StoreRawArgs a) {
 }
 
 // This token's compressed row, f16-rounded, as row (pos+1)/ratio - 1.
-extern "C" __global__ void store_comp_row(DS4_ARGS, const StoreCompRowArgs a) {
+extern "C" __global__ void store_comp_row(DS4_ARGS, StoreCompRowArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     const u32 n = (P->pos + 1) / a.ratio;
@@ -113,7 +113,7 @@ extern "C" __global__ void store_comp_row(DS4_ARGS, const StoreCompRowArgs a) {
 }
 
 // Window state row (4 + pos%4 for ratio 4, else pos%ratio) = kv, score + ape[pos % ratio].
-extern "C" __global__ void compressor_store(DS4_ARGS, const CompressorStoreArgs a) {
+extern "C" __global__ void compressor_store(DS4_ARGS, CompressorStoreArgs a) {
     DS4_GUARD;
     const u32 width = a.width, ratio = a.ratio;
     const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -158,14 +158,14 @@ __device__ float compressor_pool_value(const float* kv, const float* score, u32 
     return denom > 0.0f ? sum / denom : 0.0f;
 }
 
-extern "C" __global__ void compressor_pool(DS4_ARGS, const CompressorPoolArgs a) {
+extern "C" __global__ void compressor_pool(DS4_ARGS, CompressorPoolArgs a) {
     DS4_GUARD;
     const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j < a.head_dim) a.out[j] = compressor_pool_value(a.kv, a.score, a.head_dim, a.ratio, j);
 }
 
 // Ratio 4: rows 4..8 become rows 0..4, for both kv and score.
-extern "C" __global__ void compressor_shift(DS4_ARGS, const CompressorShiftArgs a) {
+extern "C" __global__ void compressor_shift(DS4_ARGS, CompressorShiftArgs a) {
     DS4_GUARD;
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= a.n) return;

@@ -5,7 +5,7 @@
 // over warps (split-K); the last block adds the chunk sums in order, which gives the same bits.
 
 // One warp per 32-block (kernels/norm.cu: quantize_q8_0_warp).
-extern "C" __global__ void quantize_q8_0(DS4_ARGS, const QuantizeQ80Args a) {
+extern "C" __global__ void quantize_q8_0(DS4_ARGS, QuantizeQ80Args a) {
     DS4_GUARD;
     const u32 lane = threadIdx.x & 31;
     const u32 b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -54,7 +54,7 @@ __device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, 
 
 // With `rows2` > 0 a second matrix of the same width (`w2`, `out2`) follows the first in the
 // same launch, reading the same input (both ungrouped): two ops, one launch.
-extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, const MatVecQ80Args a) {
+extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;
     const u32 lane = threadIdx.x & 31;
     const u32 rr = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -140,7 +140,7 @@ __device__ __forceinline__ float chunk_dot_f16(const F16Chunk& c, const float* x
 #define F16_EARLY_CHUNKS 2
 
 // One warp per row, all chunks.
-extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
+extern "C" __global__ void mat_vec_f16(DS4_ARGS, MatVecF16Args a) {
     DS4_GUARD_EARLY;
     const u32 lane = threadIdx.x & 31;
     const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -170,7 +170,7 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, const MatVecF16Args a) {
 // block to finish (a ticket counter, reset by that block for the next launch) adds each row's
 // chunk sums in order from +0: the same bits as one warp doing the whole row. With `rows2` > 0 a
 // second matrix of the same width (`w2`, `out2`, ungrouped) follows as rows `rows..`.
-extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs a) {
+extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
     const u32 lane = threadIdx.x & 31;
@@ -205,7 +205,7 @@ extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, const MatVecF16SplitArgs 
 }
 
 // One warp per row of an F32 matrix (4 terms per lane step).
-extern "C" __global__ void mat_vec_f32(DS4_ARGS, const MatVecF32Args a) {
+extern "C" __global__ void mat_vec_f32(DS4_ARGS, MatVecF32Args a) {
     DS4_GUARD;
     const u32 lane = threadIdx.x & 31;
     const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

@@ -5,7 +5,7 @@
 // One block of 256 threads computes p = sqrt(softplus(logit)); then warp 0 takes the experts
 // from the hash table (by token) or the top n_used of p + bias (ties to the lower expert);
 // weights p[sel] / sum * scale.
-extern "C" __global__ void router_select(DS4_ARGS, const RouterSelectArgs a) {
+extern "C" __global__ void router_select(DS4_ARGS, RouterSelectArgs a) {
     DS4_GUARD;
     const float* logits = a.logits;
     const float* bias = a.bias;
@@ -59,7 +59,7 @@ extern "C" __global__ void router_select(DS4_ARGS, const RouterSelectArgs a) {
 
 // One block of 256 threads per 256 values. d = 1/iscale with iscale = -127/max, where max is the
 // value of largest magnitude (the first one on ties).
-extern "C" __global__ void quantize_q8_k(DS4_ARGS, const QuantizeQ8KArgs a) {
+extern "C" __global__ void quantize_q8_k(DS4_ARGS, QuantizeQ8KArgs a) {
     DS4_GUARD;
     const float* x = a.x;
     BlockQ8K* out = a.out;
@@ -481,7 +481,7 @@ __device__ __forceinline__ void moe_gate_up_mid_q8_k(const MoeGateUpArgs& a) {
     if (threadIdx.x == 0) a.tickets[a.ticket + slot] = 0;
 }
 
-extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
+extern "C" __global__ void moe_gate_up(DS4_ARGS, MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -507,7 +507,7 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, const MoeGateUpArgs a) {
 // registers (71 before the scales were loaded with the quants) instead of 96-112, so 3 blocks of 256 fit on an SM instead of 2; these loads are
 // latency-bound (ncu: long-scoreboard stalls, 23% of the warps active), so that pays: 32.6 ->
 // 26.2 us per launch on the H200.
-extern "C" __global__ void moe_gate_up_iq2_xxs(DS4_ARGS, const MoeGateUpArgs a) {
+extern "C" __global__ void moe_gate_up_iq2_xxs(DS4_ARGS, MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -561,7 +561,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* g
         if ((threadIdx.x & 31) == 0 && r0 + k < a.out_dim) a.out[r0 + k] = acc[k];
 }
 
-extern "C" __global__ void moe_down(DS4_ARGS, const MoeDownArgs a) {
+extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];

@@ -40,7 +40,7 @@ __device__ __forceinline__ void quantize_q8_0_warp(float v, i8* xq, float* xd, u
 // A row is split over `slices` blocks (n / slices outputs each, a multiple of 32); each sums the
 // whole row. `out` may alias `x` only with one slice. With `xq`, the output is also quantized to
 // Q8_0 per 32, exactly as quantize_q8_0 would (a warp per block).
-extern "C" __global__ void rms_norm(DS4_ARGS, const RmsNormArgs a) {
+extern "C" __global__ void rms_norm(DS4_ARGS, RmsNormArgs a) {
     DS4_GUARD;
     const u32 n = a.n, row = blockIdx.x / a.slices, slice = blockIdx.x % a.slices;
     const float* xr = a.x + (u64)row * n;

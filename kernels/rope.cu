@@ -17,7 +17,7 @@ __device__ __forceinline__ void rope_tail_block(float* tail, const float* trow, 
     for (u32 k = threadIdx.x; k < pairs; k += blockDim.x) rope_pair(tail, trow, k, inverse);
 }
 
-extern "C" __global__ void rope_tail(DS4_ARGS, const RopeTailArgs a) {
+extern "C" __global__ void rope_tail(DS4_ARGS, RopeTailArgs a) {
     DS4_GUARD;
     const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
     const u32 pairs = a.n_rot / 2;

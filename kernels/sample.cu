@@ -70,7 +70,7 @@ __device__ u32 sample_block_min(u32 v, u32* part) {
 }
 
 // 32 to 40 registers a thread (ptxas for sm_89, sm_90, sm_121): a block of 1024 fits.
-extern "C" __global__ void sample_token(DS4_ARGS, const SampleTokenArgs a) {
+extern "C" __global__ void sample_token(DS4_ARGS, SampleTokenArgs a) {
     DS4_GUARD;
     const float* logits = a.logits;
     const u32 n = a.n, t = threadIdx.x, nt = blockDim.x, lane = t & 31, warp = t >> 5, nw = nt >> 5;

@@ -32,7 +32,7 @@ __device__ void put_block(u8* out, u64 i, u64 n, u32 ty, const u8* blk, u32 repa
     for (u32 j = at + nq; j < bb; j++) r[j - nq] = blk[j];
 }
 
-extern "C" __global__ void synth_fill(DS4_ARGS, const SynthFillArgs a) {
+extern "C" __global__ void synth_fill(DS4_ARGS, SynthFillArgs a) {
     DS4_GUARD;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += stride) {

@@ -40,8 +40,7 @@ pub trait Backend {
 }
 
 /// What a backend without chunk programs says when asked for one.
-pub const NO_CHUNK_PROGRAMS: &str =
-    "batched prefill runs only on the cpu and wgpu backends for now: this backend runs no chunk programs yet";
+pub const NO_CHUNK_PROGRAMS: &str = "this backend runs no chunk programs (batched prefill)";
 
 /// A compiled program, replayed once per token.
 pub trait Executable {

@@ -162,7 +162,7 @@ struct ModelArgs {
     #[arg(long, value_name = "N")]
     cache_slots: Option<usize>,
     /// Prompt tokens per prefill step (1: token by token). Default: the backend's (64 on the
-    /// cpu, 16 on wgpu; cuda has no batched prefill yet and feeds token by token).
+    /// cpu and cuda, 16 on wgpu; cuda with experts cached from host memory feeds token by token).
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     prefill_chunk: Option<usize>,
 }
@@ -1143,11 +1143,11 @@ fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBu
 }
 
 fn cmd_kernels(arch: &str, source: Option<&Path>) -> Result<()> {
-    use ds4::backends::cuda::BlockLayout;
+    use ds4::backends::cuda::{BlockLayout, KernelRows};
     if let Some(path) = source {
         #[cfg(feature = "cuda")]
         {
-            let text = ds4::backends::cuda::kernel_source(BlockLayout::Split);
+            let text = ds4::backends::cuda::kernel_source(BlockLayout::Split, KernelRows::One);
             std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
             return Ok(());
         }
@@ -1155,12 +1155,14 @@ fn cmd_kernels(arch: &str, source: Option<&Path>) -> Result<()> {
         bail!("ds4 was built without the `cuda` feature: no kernel source to write to {}", path.display());
     }
     for (layout, what) in [(BlockLayout::Split, "split blocks"), (BlockLayout::Native, "GGUF's blocks, unified")] {
-        let t0 = Instant::now();
-        let bytes = ds4::backends::cuda::compile_kernels(arch, layout)?;
-        out!(
-            "compiled the CUDA kernels for {arch} ({what}): {bytes} bytes of PTX in {:.2} s",
-            t0.elapsed().as_secs_f64()
-        );
+        for (rows, which) in [(KernelRows::One, "decode"), (KernelRows::Chunk, "prefill chunks")] {
+            let t0 = Instant::now();
+            let bytes = ds4::backends::cuda::compile_kernels(arch, layout, rows)?;
+            out!(
+                "compiled the CUDA kernels for {arch} ({what}, {which}): {bytes} bytes of PTX in {:.2} s",
+                t0.elapsed().as_secs_f64()
+            );
+        }
     }
     Ok(())
 }

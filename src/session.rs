@@ -75,10 +75,7 @@ impl Session {
         let mut warnings = Vec::new();
         let mut chunk = chunk.min(ctx);
         if chunk > 1 && backend.default_prefill_chunk() <= 1 {
-            warnings.push(format!(
-                "{} backend: no batched prefill for now (cpu and wgpu only); prefilling token by token",
-                backend.name()
-            ));
+            warnings.push(format!("{} backend: no batched prefill; prefilling token by token", backend.name()));
             chunk = 1;
         }
         let caps = Caps { ctx: ctx as u32 };
@@ -87,7 +84,12 @@ impl Session {
         let mut exe = backend.compile(program, model.clone())?;
         if chunk > 1 {
             let chunk_program = Arc::new(decode::record(&model, caps, rows, rows).map_err(SessionError::Record)?);
-            exe.attach_chunk(chunk_program).map_err(|e| BackendError::new(backend.name(), e.msg))?;
+            // A backend that cannot run this chunk program here (for example CUDA with experts
+            // cached from host memory) still decodes: the prompt goes token by token.
+            if let Err(e) = exe.attach_chunk(chunk_program) {
+                warnings.push(format!("{} backend: {}; prefilling token by token", backend.name(), e.msg));
+                chunk = 1;
+            }
         }
         Ok(Session {
             model,

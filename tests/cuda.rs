@@ -184,7 +184,11 @@ fn a_failed_capture_or_graph_launch_loses_no_token() {
 fn the_sampling_kernel_holds_the_candidate_cap() {
     let cap = format!("#define DS4_SAMPLE_CAP {}\n", ds4::sample::CANDIDATE_CAP);
     assert!(
-        ds4::backends::cuda::kernel_source(ds4::backends::cuda::BlockLayout::Split).contains(&cap),
+        ds4::backends::cuda::kernel_source(
+            ds4::backends::cuda::BlockLayout::Split,
+            ds4::backends::cuda::KernelRows::One
+        )
+        .contains(&cap),
         "kernels/sample.cu: {cap}"
     );
 }
@@ -314,4 +318,77 @@ fn seeded_generation_on_cuda_gives_the_cpus_tokens() {
             assert_eq!(generate(gpu.as_ref(), &with_logits), want, "{cfg:?}, graphs {graphs}: host sampling");
         }
     }
+}
+
+/// Batched prefill on CUDA: the prompt fed in chunks (the chunk program, graph on and off) gives
+/// the canonical CPU's logits fed token by token at every position and for three decode steps
+/// after it, bit for bit; `pieces` cut the first call short so that chunks straddle calls.
+fn check_chunks(model: &Arc<Model>, gpu: &dyn ds4::backend::Backend, tokens: &[u32], ctx: usize, chunks: &[usize]) {
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let after = [5u32, 77, 300].map(|t| t % model.config.n_vocab as u32);
+    let all: Vec<u32> = tokens.iter().chain(&after).copied().collect();
+    let want = common::token_by_token(model, &cpu, &all, ctx);
+    for &chunk in chunks {
+        let mut s = Session::with_prefill_chunk(model.clone(), gpu, ctx, chunk).unwrap();
+        assert_eq!(s.prefill_chunk(), chunk, "warnings: {:?}", s.take_warnings());
+        let mut got = common::chunked(&mut s, tokens, &[5]);
+        got.extend(after.iter().map(|&t| s.eval(t).unwrap().to_vec()));
+        let bad: Vec<usize> = (0..want.len()).filter(|&i| !common::same_bits(&got[i], &want[i])).collect();
+        assert!(
+            bad.is_empty(),
+            "chunk {chunk}: positions whose logits differ from the CPU's token by token \
+             (>= {} are decode steps after the prompt): {bad:?}",
+            tokens.len()
+        );
+        assert!(s.take_warnings().is_empty(), "chunk {chunk}: no fallback");
+    }
+}
+
+/// tiny-a (window 16, ratios 4 and 8, indexer active from position 19): the 64 golden tokens in
+/// chunks of 1, 7, 64 and the backend's default, across the window's wrap and the emits; and the
+/// `small` preset (window 64, ratios 4 and 16, indexer from position 67) in chunks of 64 and 7.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn cuda_chunks_equal_canonical_cpu_token_by_token() {
+    let tiny = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let small = Model::from_file(
+        ds4::gguf::File::from_bytes("small", ds4::synth::build(&ds4::synth::Preset::small(), 4)).unwrap(),
+    )
+    .unwrap();
+    let n_vocab = small.config.n_vocab;
+    let small_tokens: Vec<u32> = (0..72).map(|i| ((i * 7919 + 13) % n_vocab) as u32).collect();
+    for graphs in [false, true] {
+        let gpu = cuda(graphs);
+        check_chunks(&tiny, gpu.as_ref(), &golden_tokens(), 96, &[1, 7, 64, gpu.default_prefill_chunk()]);
+        check_chunks(&small, gpu.as_ref(), &small_tokens, 128, &[64, 7]);
+    }
+}
+
+/// Chunks under the other placements: every weight in host memory read in place (unified) runs
+/// the chunk program too; routed experts cached from host memory (placement host) cannot, and
+/// the session says so once and prefills token by token, with the same logits.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn cuda_chunks_under_the_other_placements() {
+    use ds4::placement::{PlacementMode, PlacementRequest};
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = &golden_tokens()[..40];
+    let with = |mode| {
+        let placement = PlacementRequest { budget: None, mode: Some(mode), cache_slots: Some(2) };
+        let opts = BackendOptions { graphs: true, numerics: Numerics::Canonical, placement, ..Default::default() };
+        backend::create(BackendKind::Cuda, opts).expect("this test needs an NVIDIA GPU")
+    };
+    check_chunks(&model, with(PlacementMode::Unified).as_ref(), tokens, 64, &[7]);
+    let host = with(PlacementMode::Host);
+    let mut s = Session::with_prefill_chunk(model.clone(), host.as_ref(), 64, 7).unwrap();
+    assert_eq!(s.prefill_chunk(), 1);
+    let w = s.take_warnings();
+    assert!(
+        w.len() == 1 && w[0].contains("not cached from host memory (placement host); prefilling token by token"),
+        "{w:?}"
+    );
+    let got = common::chunked(&mut s, tokens, &[]);
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let want = common::token_by_token(&model, &cpu, tokens, 64);
+    assert!((0..tokens.len()).all(|i| common::same_bits(&got[i], &want[i])));
 }

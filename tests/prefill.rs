@@ -138,9 +138,7 @@ fn a_backend_without_chunk_programs_falls_back_to_token_by_token() {
     assert_eq!(s.prefill_chunk(), 1);
     let w = s.take_warnings();
     assert!(
-        w.len() == 1
-            && w[0].contains("nochunks")
-            && w[0].contains("no batched prefill for now (cpu and wgpu only); prefilling token by token"),
+        w.len() == 1 && w[0].contains("nochunks") && w[0].contains("no batched prefill; prefilling token by token"),
         "{w:?}"
     );
     let got = s.prefill(tokens, |_| {}).unwrap().to_vec();

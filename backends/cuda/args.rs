@@ -1,7 +1,9 @@
 //! Kernel arguments: one `#[repr(C)]` struct per kernel, defined once here. The C definitions
 //! the kernels see are generated from the same declaration ([`c_header`]), so the host and the
 //! kernel cannot disagree on a field's order, type or offset. Every kernel is
-//! `NAME(const StepParams* P, u64 cond, const NameArgs a)`.
+//! `NAME(const StepParams* P, u64 cond, const RowStrides R, NameArgs a)`: a launch covers one
+//! token row, or the rows of a prefill chunk as `blockIdx.y` (row `y` reads `P[y]` and sees every
+//! pointer of `a` advanced by `y * R.s[i]` bytes, [`ROW_STRIDES`]).
 
 use crate::recorder::StepParams;
 
@@ -183,7 +185,13 @@ kernel_args! {
 
 /// `StepParams` as the kernels see it; its fields are checked against the Rust struct's size.
 const STEP_PARAMS_FIELDS: [(&str, &str); 4] =
-    [("token", "u32"), ("pos", "u32"), ("reserved0", "u32"), ("reserved1", "u32")];
+    [("token", "u32"), ("pos", "u32"), ("reserved0", "u32"), ("count", "u32")];
+
+/// Pointer fields an argument struct may have: the length of `RowStrides` (the byte stride of
+/// each pointer from one chunk row to the next, in field order; 0 for weights, tables and state).
+pub const ROW_STRIDES: usize = 16;
+/// Per-row byte strides of a launch's pointers, as the kernels take them by value.
+pub type RowStrides = [u32; ROW_STRIDES];
 const _: () = assert!(std::mem::size_of::<StepParams>() == 4 * STEP_PARAMS_FIELDS.len());
 
 /// The generated C header: integer typedefs, `StepParams`, the numerics constants and every
@@ -206,12 +214,23 @@ pub fn c_header() -> String {
     s += "\n";
     s += &c_block_splits();
     s += "\n";
+    s += &format!(
+        "// The byte stride of each pointer argument from one chunk row to the next (0: shared).\n\
+         struct RowStrides {{\n    u32 s[{ROW_STRIDES}];\n}};\n\n"
+    );
     for (kernel, name, fields, _) in all() {
         s += &format!("// The arguments of `{kernel}`.\nstruct {name} {{\n");
         for (f, _, cty) in fields {
             s += &format!("    {cty} {f};\n");
         }
         s += "};\n";
+        // Row y of a chunk launch: its pointers advanced by y strides.
+        s += &format!("__device__ __forceinline__ void ds4_row({name}& a, const RowStrides& R, u32 y) {{\n");
+        let ptrs = fields.iter().filter(|(_, k, _)| *k == Field::Ptr);
+        for (i, (f, _, cty)) in ptrs.enumerate() {
+            s += &format!("    a.{f} = ({cty})((u64)a.{f} + (u64)R.s[{i}] * y);\n");
+        }
+        s += "}\n";
     }
     s
 }
@@ -263,6 +282,8 @@ mod tests {
                 off += c_bytes;
             }
             assert_eq!(off.div_ceil(8) * 8, size, "{kernel}: C size {off} vs Rust {size}");
+            let ptrs = fields.iter().filter(|(_, k, _)| *k == Field::Ptr).count();
+            assert!(ptrs <= ROW_STRIDES, "{kernel}: {ptrs} pointers, RowStrides holds {ROW_STRIDES}");
         }
     }
 

@@ -14,6 +14,15 @@ mod plan;
 use crate::backend::{Backend, BackendError, BackendOptions};
 pub use crate::backends::gpu_tables::BlockLayout;
 
+/// Which launches a build of the kernels serves: the decode program's (one token row) or a
+/// chunk program's (`blockIdx.y` rows; kernels/common.cuh `DS4_CHUNK_ROWS`). The decode build has no
+/// per-row code at all, so batched prefill costs decode nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelRows {
+    One,
+    Chunk,
+}
+
 #[cfg(not(feature = "cuda"))]
 pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     Err(BackendError::new("cuda", "ds4 was built without the `cuda` feature"))
@@ -36,16 +45,16 @@ pub use imp::{kernel_source, CudaBackend, CudaExecutable};
 /// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX size in bytes.
 /// Needs libnvrtc but no GPU.
 #[cfg(feature = "cuda")]
-pub fn compile_kernels(arch: &str, layout: BlockLayout) -> Result<usize, BackendError> {
+pub fn compile_kernels(arch: &str, layout: BlockLayout, rows: KernelRows) -> Result<usize, BackendError> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(BackendError::new("cuda", "no NVRTC library (libnvrtc, CUDA 13) on this machine"));
     }
-    imp::compile_kernels(arch, layout).map(|ptx| ptx.to_src().len())
+    imp::compile_kernels(arch, layout, rows).map(|ptx| ptx.to_src().len())
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn compile_kernels(_arch: &str, _layout: BlockLayout) -> Result<usize, BackendError> {
+pub fn compile_kernels(_arch: &str, _layout: BlockLayout, _rows: KernelRows) -> Result<usize, BackendError> {
     Err(BackendError::new("cuda", "ds4 was built without the `cuda` feature"))
 }
 
@@ -61,7 +70,7 @@ mod imp {
     use super::args::{self, FillArgs, Ptr, PtrRef};
     use super::memory::{self, HostMem, HostRegistration, WeightMem};
     use super::plan::{self, SCRATCH_KINDS};
-    use super::BlockLayout;
+    use super::{BlockLayout, KernelRows};
     use crate::backend::{Backend, BackendError, Executable, GraphFailure};
     use crate::backend::{BackendOptions, ExpertCacheStats};
     use crate::model::Model;
@@ -121,6 +130,9 @@ mod imp {
         out
     }
 
+    /// Prompt tokens per prefill chunk by default: each batch launch covers this many rows.
+    const DEFAULT_PREFILL_CHUNK: usize = 64;
+
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
     const SAMPLE_THREADS: u32 = 1024;
 
@@ -136,18 +148,26 @@ mod imp {
     /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g.
     /// `MOE_GATE_UP_PASSES=2`; the kernels give each a default), the header generated from the
     /// Rust definitions (StepParams, argument structs, numerics constants), then the files.
-    pub fn kernel_source(layout: BlockLayout) -> String {
+    pub fn kernel_source(layout: BlockLayout, rows: KernelRows) -> String {
         let native = (layout == BlockLayout::Native) as u32;
+        let chunk = (rows == KernelRows::Chunk) as u32;
         let tuning: String = std::env::var("DS4_CUDA_DEFINES")
             .unwrap_or_default()
             .split_whitespace()
             .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
             .collect();
-        format!("#define DS4_NATIVE_BLOCKS {native}\n{tuning}") + &args::c_header() + "\n" + &SOURCES.join("\n")
+        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{tuning}")
+            + &args::c_header()
+            + "\n"
+            + &SOURCES.join("\n")
     }
 
     /// Compiles the kernels for an `sm_XY` architecture.
-    pub fn compile_kernels(arch: &str, layout: BlockLayout) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    pub fn compile_kernels(
+        arch: &str,
+        layout: BlockLayout,
+        rows: KernelRows,
+    ) -> Result<cudarc::nvrtc::Ptx, BackendError> {
         let opts = CompileOptions {
             // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and
             // square root correctly rounded, subnormals kept, as the CPU computes them.
@@ -159,7 +179,7 @@ mod imp {
             name: Some("ds4_kernels.cu".into()),
             ..Default::default()
         };
-        compile_ptx_with_opts(kernel_source(layout), opts)
+        compile_ptx_with_opts(kernel_source(layout, rows), opts)
             .map_err(|e| err(format!("NVRTC failed to compile the kernels: {e}")))
     }
 
@@ -186,19 +206,19 @@ mod imp {
         }
 
         /// The cache file for `arch`: its name carries the hash of the source and the options.
-        pub fn path(arch: &str, layout: super::BlockLayout) -> Option<PathBuf> {
-            let key = format!("{}|{arch}|{:?}", super::kernel_source(layout), super::COMPILE_FLAGS);
+        pub fn path(arch: &str, layout: super::BlockLayout, rows: super::KernelRows) -> Option<PathBuf> {
+            let key = format!("{}|{arch}|{:?}", super::kernel_source(layout, rows), super::COMPILE_FLAGS);
             Some(dir()?.join(format!("kernels-{arch}-{:016x}.ptx", fnv1a(key.as_bytes()))))
         }
 
-        pub fn load(arch: &str, layout: super::BlockLayout) -> Option<cudarc::nvrtc::Ptx> {
-            let text = std::fs::read_to_string(path(arch, layout)?).ok()?;
+        pub fn load(arch: &str, layout: super::BlockLayout, rows: super::KernelRows) -> Option<cudarc::nvrtc::Ptx> {
+            let text = std::fs::read_to_string(path(arch, layout, rows)?).ok()?;
             // A PTX module that the driver can load ends with its last entry's closing brace.
             text.trim_end().ends_with('}').then(|| cudarc::nvrtc::Ptx::from_src(text))
         }
 
-        pub fn store(arch: &str, layout: super::BlockLayout, ptx: &str) {
-            if let Some(p) = path(arch, layout) {
+        pub fn store(arch: &str, layout: super::BlockLayout, rows: super::KernelRows, ptx: &str) {
+            if let Some(p) = path(arch, layout, rows) {
                 let tmp = p.with_extension("tmp");
                 let ok = p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
                     && std::fs::write(&tmp, ptx).is_ok()
@@ -258,12 +278,65 @@ mod imp {
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-        launch_with(stream, func, 0, grid, 256, 0, &words, false)
+        launch_with(stream, func, 0, (grid, 1), 256, 0, &[0; args::ROW_STRIDES], &words, false)
             .map_err(drv(&format!("cannot generate '{}'", t.name)))?;
         Ok(d)
     }
 
-    /// Launches `func(P, cond, args)`: `args` is the kernel's argument struct as words. With `pdl`
+    /// The kernels for `arch`, from the cache or compiled (and cached), loaded into `ctx`.
+    fn load_kernels(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        layout: BlockLayout,
+        rows: KernelRows,
+    ) -> Result<Arc<cudarc::driver::CudaModule>, BackendError> {
+        match cache::load(arch, layout, rows).map(|ptx| ctx.load_module(ptx)) {
+            Some(Ok(m)) => Ok(m),
+            // No cache entry, or one the driver rejects (corrupt): compile and rewrite it.
+            _ => {
+                let ptx = compile_kernels(arch, layout, rows)?;
+                cache::store(arch, layout, rows, &ptx.to_src());
+                ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))
+            }
+        }
+    }
+
+    /// Captures what `launch` puts on `stream` as a graph, instantiated and uploaded.
+    fn capture_on(
+        stream: &Arc<CudaStream>,
+        launch: impl FnOnce() -> Result<(), result::DriverError>,
+    ) -> Result<CudaGraph, result::DriverError> {
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let launched = launch();
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        launched?;
+        let graph =
+            graph?.ok_or(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED))?;
+        graph.upload()?;
+        Ok(graph)
+    }
+
+    /// A RoPE table, (cos, sin) per position and pair as the CPU reference computes them, in
+    /// device memory.
+    fn upload_rope_table(
+        stream: &Arc<CudaStream>,
+        (rope, n_rot): &(crate::model::RopeParams, u32),
+        positions: u32,
+    ) -> Result<CudaSlice<u8>, BackendError> {
+        let table = crate::backends::gpu_tables::rope_table(rope, *n_rot, positions);
+        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+        stream.clone_htod(&bytes).map_err(drv("cannot upload a RoPE table"))
+    }
+
+    /// A chunk's launches, in order, on one stream (the decode plan's side branches are not used).
+    fn launch_chunk(stream: &CudaStream, c: &Chunk, pdl: bool) -> Result<(), result::DriverError> {
+        let p = c.params.device_ptr(stream).0;
+        c.launches.iter().try_for_each(|l| l.launch(stream, p, pdl))
+    }
+
+    /// Launches `func(P, cond, R, args)`: `args` is the kernel's argument struct as words, `rows`
+    /// the chunk rows it covers (`blockIdx.y`; 1 for a decode launch) and `strides` each pointer's
+    /// byte stride from one row to the next ([`args::RowStrides`]). With `pdl`
     /// the launch may begin while the previous kernel on the stream finishes (programmatic
     /// dependent launch, sm_90 on): every kernel waits for its predecessor (`griddepcontrol.wait`
     /// in DS4_GUARD, kernels/common.cuh) before it touches memory, so only the launch overlaps.
@@ -272,26 +345,40 @@ mod imp {
         stream: &CudaStream,
         func: &CudaFunction,
         params: u64,
-        grid: u32,
+        (grid, rows): (u32, u32),
         block: u32,
         cond: u64,
+        strides: &args::RowStrides,
         args: &[u64],
         pdl: bool,
     ) -> Result<(), result::DriverError> {
         use cudarc::driver::sys;
         let mut p = params;
         let mut c = cond;
+        let mut r = *strides;
         let mut a = args.to_vec();
-        let mut ptrs: Vec<*mut c_void> =
-            vec![&mut p as *mut u64 as *mut c_void, &mut c as *mut u64 as *mut c_void, a.as_mut_ptr() as *mut c_void];
+        let mut ptrs: Vec<*mut c_void> = vec![
+            &mut p as *mut u64 as *mut c_void,
+            &mut c as *mut u64 as *mut c_void,
+            r.as_mut_ptr() as *mut c_void,
+            a.as_mut_ptr() as *mut c_void,
+        ];
         if !pdl {
-            // SAFETY: the kernel's parameters are (const StepParams*, u64, XArgs); `a` holds the
-            // bytes of XArgs (the struct args.rs declares and the kernel source is generated
-            // from), and the driver copies all three before returning. Every pointer inside `a`
-            // is inside an allocation the caller owns; a null `params` is only given with `cond`
-            // 0 (always run), which never reads it.
+            // SAFETY: the kernel's parameters are (const StepParams*, u64, RowStrides, XArgs);
+            // `r` holds RowStrides and `a` the bytes of XArgs (the structs args.rs declares and
+            // the kernel source is generated from), and the driver copies all four before
+            // returning. Every pointer inside `a`, advanced by up to `rows - 1` strides, is
+            // inside an allocation the caller owns, and `params` holds `rows` StepParams; a null
+            // `params` is only given with `cond` 0 and one row, which never reads it.
             return unsafe {
-                result::launch_kernel(func.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream.cu_stream(), &mut ptrs)
+                result::launch_kernel(
+                    func.cu_function(),
+                    (grid, rows, 1),
+                    (block, 1, 1),
+                    0,
+                    stream.cu_stream(),
+                    &mut ptrs,
+                )
             };
         }
         // SAFETY: a zeroed attribute is a valid plain-data value; its id and the union field
@@ -301,7 +388,7 @@ mod imp {
         attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: grid,
-            gridDimY: 1,
+            gridDimY: rows,
             gridDimZ: 1,
             blockDimX: block,
             blockDimY: 1,
@@ -354,6 +441,9 @@ mod imp {
         fn compile(&self, program: Arc<Program>, model: Arc<Model>) -> Result<Box<dyn Executable>, BackendError> {
             CudaExecutable::new(self.ctx.clone(), program, model, self.opts).map(|e| Box::new(e) as Box<dyn Executable>)
         }
+        fn default_prefill_chunk(&self) -> usize {
+            DEFAULT_PREFILL_CHUNK
+        }
     }
 
     /// A launch with device addresses resolved: the kernel's argument struct as 8-byte words.
@@ -370,6 +460,164 @@ mod imp {
         side: bool,
         fork: bool,
         join: bool,
+        /// Chunk rows the launch covers (`blockIdx.y`): 1 for a decode launch and for a row
+        /// loop's launch, all of a chunk's rows for a batch step.
+        rows: u32,
+        /// The first row's StepParams (an index into the program's parameter rows).
+        row: u32,
+        /// Each pointer's byte stride from one row to the next (all 0 when `rows` is 1).
+        strides: args::RowStrides,
+    }
+
+    impl Resolved {
+        /// Launches it on `stream` with the parameter rows at `params`.
+        fn launch(&self, stream: &CudaStream, params: u64, pdl: bool) -> Result<(), result::DriverError> {
+            let p = params + self.row as u64 * std::mem::size_of::<StepParams>() as u64;
+            launch_with(
+                stream,
+                &self.func,
+                p,
+                (self.grid, self.rows),
+                self.block,
+                self.cond,
+                &self.strides,
+                &self.args,
+                pdl,
+            )
+        }
+    }
+
+    /// The kernels, loaded from the module on first use.
+    struct Functions {
+        module: Arc<cudarc::driver::CudaModule>,
+        loaded: Vec<(&'static str, CudaFunction)>,
+    }
+
+    impl Functions {
+        fn get(&mut self, name: &'static str) -> Result<CudaFunction, BackendError> {
+            if let Some((_, f)) = self.loaded.iter().find(|(n, _)| *n == name) {
+                return Ok(f.clone());
+            }
+            let f = self.module.load_function(name).map_err(drv(&format!("kernel '{name}' is missing")))?;
+            self.loaded.push((name, f.clone()));
+            Ok(f)
+        }
+    }
+
+    /// Device addresses that planned pointers resolve to, apart from a program's own buffers
+    /// and scratch areas ([`Areas`]); shared by the decode and chunk programs.
+    struct Addresses {
+        weights: Vec<u64>,
+        grid: u64,
+        /// (weight, live table, home table) of every routed-expert tensor.
+        expert_tables: Vec<(u32, u64, u64)>,
+        cache_states: Vec<u64>,
+        cache_slots: Vec<u64>,
+        cache_stats: u64,
+        /// Every RoPE table uploaded: its settings and its address.
+        ropes: Vec<((crate::model::RopeParams, u32), u64)>,
+    }
+
+    /// Where one program's buffers and scratch areas are: (row 0's address, bytes from one row
+    /// to the next; 0 for a decode program and for state).
+    struct Areas {
+        bufs: Vec<(u64, u32)>,
+        /// Indexed like `SCRATCH_KINDS`.
+        scratch: Vec<(u64, u32)>,
+    }
+
+    /// The rows a resolved launch covers.
+    #[derive(Clone, Copy)]
+    enum Rows {
+        /// Rows 0..n in one launch, as `blockIdx.y` (1: a decode launch).
+        All(u32),
+        /// This row alone.
+        One(u32),
+    }
+
+    /// Resolves a planned launch's pointer references to device addresses.
+    fn resolve(
+        l: &plan::Launch,
+        plan_ropes: &[(crate::model::RopeParams, u32)],
+        at: &Areas,
+        addrs: &Addresses,
+        funcs: &mut Functions,
+        rows: Rows,
+    ) -> Result<Resolved, BackendError> {
+        let func = funcs.get(l.kernel)?;
+        let mut a = l.args.clone();
+        let mut strides = [0u32; args::ROW_STRIDES];
+        for (i, &word) in l.ptr_words.iter().enumerate() {
+            let r = Ptr(a[word]).reference().ok_or_else(|| err(format!("{}: bad pointer reference", l.kernel)))?;
+            let missing = |what: &str| err(format!("{}: no {what}", l.kernel));
+            let (addr, stride) = match r {
+                PtrRef::Null => (0, 0),
+                PtrRef::Buf(b) => *at.bufs.get(b as usize).ok_or_else(|| missing("such buffer"))?,
+                PtrRef::Scratch(s) => *at.scratch.get(s as usize).ok_or_else(|| missing("such scratch area"))?,
+                PtrRef::Weight(w) => (*addrs.weights.get(w as usize).ok_or_else(|| missing("such weight"))?, 0),
+                PtrRef::Grid => (addrs.grid, 0),
+                PtrRef::ExpertTable(w) | PtrRef::ExpertHome(w) => {
+                    let t = addrs.expert_tables.iter().find(|e| e.0 == w).ok_or_else(|| missing("expert table"))?;
+                    (if matches!(r, PtrRef::ExpertTable(_)) { t.1 } else { t.2 }, 0)
+                }
+                PtrRef::CacheState(i) => {
+                    (*addrs.cache_states.get(i as usize).ok_or_else(|| missing("expert cache"))?, 0)
+                }
+                PtrRef::CacheSlots(i) => {
+                    (*addrs.cache_slots.get(i as usize).ok_or_else(|| missing("expert cache"))?, 0)
+                }
+                PtrRef::CacheStats => (addrs.cache_stats, 0),
+                PtrRef::Rope(i) => {
+                    let want = plan_ropes.get(i as usize).ok_or_else(|| missing("such RoPE table"))?;
+                    (addrs.ropes.iter().find(|(r, _)| r == want).ok_or_else(|| missing("RoPE table"))?.1, 0)
+                }
+            };
+            match rows {
+                Rows::All(_) => {
+                    a[word] = addr;
+                    strides[i] = stride;
+                }
+                Rows::One(row) => a[word] = addr + row as u64 * stride as u64,
+            }
+        }
+        let (rows, row, cond) = match rows {
+            Rows::All(1) => (1, 0, l.cond),
+            Rows::All(n) => (n, 0, l.cond | plan::CHUNK_ROW),
+            Rows::One(r) => (1, r, l.cond | plan::CHUNK_ROW),
+        };
+        Ok(Resolved {
+            ops: l.ops.clone(),
+            kernel: l.kernel,
+            func,
+            grid: l.grid,
+            block: l.block,
+            cond,
+            args: a,
+            side: l.side,
+            fork: l.fork,
+            join: l.join,
+            rows,
+            row,
+            strides,
+        })
+    }
+
+    /// An attached chunk program ([`Executable::attach_chunk`]): its launches, its own buffers
+    /// and scratch with one row per token, and the decode program's state.
+    struct Chunk {
+        program: Arc<Program>,
+        /// Its per-row buffers and scratch areas.
+        _arena: CudaSlice<u8>,
+        /// StepParams of each row (count 0 past the chunk's tokens: the row runs nothing).
+        params: CudaSlice<u32>,
+        launches: Vec<Resolved>,
+        graph: GraphState,
+        /// The logits buffer: row 0's address and the bytes from one row to the next.
+        logits: (u64, u32),
+        /// RoPE tables that the decode program has no copy of.
+        _ropes: Vec<CudaSlice<u8>>,
+        /// Tokens in the last chunk run.
+        count: usize,
     }
 
     enum GraphState {
@@ -423,6 +671,14 @@ mod imp {
         sampled: CudaSlice<u32>,
         /// The side stream and the fork and join events, when the plan has side launches.
         branches: Option<(Arc<CudaStream>, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+        addrs: Addresses,
+        /// The attached chunk program, if any.
+        chunk: Option<Chunk>,
+        /// The chunk build of the kernels (`KernelRows::Chunk`), loaded when a chunk program is
+        /// first attached, and what it is compiled for.
+        chunk_funcs: Option<Functions>,
+        arch: String,
+        layout: BlockLayout,
     }
 
     impl CudaExecutable {
@@ -506,15 +762,7 @@ mod imp {
             };
             let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
             let arch = format!("sm_{major}{minor}");
-            let module = match cache::load(&arch, layout).map(|ptx| ctx.load_module(ptx)) {
-                Some(Ok(m)) => m,
-                // No cache entry, or one the driver rejects (corrupt): compile and rewrite it.
-                _ => {
-                    let ptx = compile_kernels(&arch, layout)?;
-                    cache::store(&arch, layout, &ptx.to_src());
-                    ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))?
-                }
-            };
+            let module = load_kernels(&ctx, &arch, layout, KernelRows::One)?;
 
             // A mapped file under unified placement: its pages are registered and read in place,
             // no byte copied. Otherwise (a model held in a buffer, or a driver that cannot lock
@@ -720,87 +968,38 @@ mod imp {
             device_mem.push(grid_table);
 
             // RoPE tables: (cos, sin) per position and pair, computed as the CPU reference does.
-            let mut rope_ptrs = Vec::with_capacity(plan.ropes.len());
-            let mut ropes = plan.ropes.clone();
-            ropes.extend(single_plan.ropes.iter().filter(|r| !plan.ropes.contains(r)));
-            for (rope, n_rot) in &ropes {
-                let table = crate::backends::gpu_tables::rope_table(rope, *n_rot, program.positions());
-                let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
-                let d = stream.clone_htod(&bytes).map_err(drv("cannot upload a RoPE table"))?;
-                rope_ptrs.push(d.device_ptr(&stream).0);
-                device_mem.push(d);
+            let mut ropes = Vec::new();
+            for r in plan.ropes.iter().chain(&single_plan.ropes) {
+                if !ropes.iter().any(|(have, _)| have == r) {
+                    let d = upload_rope_table(&stream, r, program.positions())?;
+                    ropes.push((*r, d.device_ptr(&stream).0));
+                    device_mem.push(d);
+                }
             }
 
             let arena = stream.alloc_zeros::<u8>(size).map_err(drv("cannot allocate the buffer arena"))?;
             let base = arena.device_ptr(&stream).0;
             let params = stream.alloc_zeros::<u32>(4).map_err(drv("cannot allocate the step parameters"))?;
 
-            let mut funcs: Vec<(&'static str, CudaFunction)> = Vec::new();
-            let mut resolve = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
-                let mut launches = Vec::with_capacity(p.launches.len());
-                for l in &p.launches {
-                    let func = match funcs.iter().find(|(n, _)| *n == l.kernel) {
-                        Some((_, f)) => f.clone(),
-                        None => {
-                            let f = module
-                                .load_function(l.kernel)
-                                .map_err(drv(&format!("kernel '{}' is missing", l.kernel)))?;
-                            funcs.push((l.kernel, f.clone()));
-                            f
-                        }
-                    };
-                    let mut a = l.args.clone();
-                    for &word in &l.ptr_words {
-                        let r = Ptr(a[word])
-                            .reference()
-                            .ok_or_else(|| err(format!("{}: bad pointer reference", l.kernel)))?;
-                        a[word] = match r {
-                            PtrRef::Null => 0,
-                            PtrRef::Buf(b) => base + offsets[b as usize] as u64,
-                            PtrRef::Weight(w) => weight_ptrs[w as usize],
-                            PtrRef::Scratch(s) => base + scratch_off[s as usize].1 as u64,
-                            PtrRef::Grid => grid_ptr,
-                            PtrRef::ExpertTable(w) | PtrRef::ExpertHome(w) => {
-                                let t = expert_tables
-                                    .iter()
-                                    .find(|e| e.0 == w)
-                                    .ok_or_else(|| err(format!("{}: no expert table for weight {w}", l.kernel)))?;
-                                if matches!(r, PtrRef::ExpertTable(_)) {
-                                    t.1
-                                } else {
-                                    t.2
-                                }
-                            }
-                            PtrRef::CacheState(i) => *cache_states
-                                .get(i as usize)
-                                .ok_or_else(|| err(format!("{}: no expert cache for layer {i}", l.kernel)))?,
-                            PtrRef::CacheSlots(i) => *cache_slots
-                                .get(i as usize)
-                                .ok_or_else(|| err(format!("{}: no expert cache for layer {i}", l.kernel)))?,
-                            PtrRef::CacheStats => cache_stats.device_ptr(&stream).0,
-                            PtrRef::Rope(i) => {
-                                let at = ropes.iter().position(|r| *r == p.ropes[i as usize]).unwrap_or(0);
-                                rope_ptrs[at]
-                            }
-                        };
-                    }
-                    launches.push(Resolved {
-                        ops: l.ops.clone(),
-                        kernel: l.kernel,
-                        func,
-                        grid: l.grid,
-                        block: l.block,
-                        cond: l.cond,
-                        args: a,
-                        side: l.side,
-                        fork: l.fork,
-                        join: l.join,
-                    });
-                }
-                Ok(launches)
+            let addrs = Addresses {
+                weights: weight_ptrs,
+                grid: grid_ptr,
+                expert_tables,
+                cache_states,
+                cache_slots,
+                cache_stats: cache_stats.device_ptr(&stream).0,
+                ropes,
             };
-            let launches = resolve(&plan)?;
-            let single = resolve(&single_plan)?;
+            let areas = Areas {
+                bufs: offsets.iter().map(|&o| (base + o as u64, 0)).collect(),
+                scratch: scratch_off.iter().map(|&(_, o)| (base + o as u64, 0)).collect(),
+            };
+            let mut funcs = Functions { module: module.clone(), loaded: Vec::new() };
+            let mut resolve_all = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
+                p.launches.iter().map(|l| resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::All(1))).collect()
+            };
+            let launches = resolve_all(&plan)?;
+            let single = resolve_all(&single_plan)?;
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
             let sample_fn = module.load_function("sample_token").map_err(drv("kernel 'sample_token' is missing"))?;
             let sampled = stream.alloc_zeros::<u32>(1).map_err(drv("cannot allocate the sampled token"))?;
@@ -840,6 +1039,11 @@ mod imp {
                 sample_fn,
                 sampled,
                 branches,
+                addrs,
+                chunk: None,
+                chunk_funcs: None,
+                arch,
+                layout,
             };
             exe.reset()?;
             Ok(exe)
@@ -867,7 +1071,7 @@ mod imp {
                     self.stream.wait(join)?;
                 }
                 let stream = if l.side { side } else { &self.stream };
-                launch_with(stream, &l.func, p, l.grid, l.block, l.cond, &l.args, self.pdl)?;
+                l.launch(stream, p, self.pdl)?;
             }
             Ok(())
         }
@@ -891,34 +1095,164 @@ mod imp {
         }
 
         fn launch_resolved(&self, l: &Resolved) -> Result<(), result::DriverError> {
-            self.launch_raw(&l.func, l.grid, l.block, l.cond, &l.args)
+            l.launch(&self.stream, self.params.device_ptr(&self.stream).0, self.pdl)
         }
 
-        /// Launches `func(P, cond, args)` on this executable's stream and step parameters.
-        fn launch_raw(
+        /// Launches a helper kernel outside the program (fill, sampling): one row, no step
+        /// parameters, always run.
+        fn launch_helper(
             &self,
             func: &CudaFunction,
             grid: u32,
             block: u32,
-            cond: u64,
             args: &[u64],
         ) -> Result<(), result::DriverError> {
-            launch_with(&self.stream, func, self.params.device_ptr(&self.stream).0, grid, block, cond, args, self.pdl)
+            launch_with(&self.stream, func, 0, (grid, 1), block, 0, &[0; args::ROW_STRIDES], args, self.pdl)
         }
 
         fn capture(&self) -> Result<CudaGraph, result::DriverError> {
-            self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let launched = self.launch_all();
-            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            launched?;
+            let graph = capture_on(&self.stream, || self.launch_all())?;
             if self.inject == Some(GraphFailure::Capture) {
                 // The test hook: the capture ended cleanly, its graph is dropped as if it failed.
                 return Err(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED));
             }
-            let graph = graph?
-                .ok_or(result::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED))?;
-            graph.upload()?;
             Ok(graph)
+        }
+
+        /// Runs one chunk of the attached program (its parameter rows written): the graph where
+        /// there is one, else eagerly, capturing after the first (warm-up) chunk.
+        fn run_chunk(&mut self, c: &mut Chunk) -> Result<(), BackendError> {
+            if let GraphState::Ready(g) = &c.graph {
+                match g.launch() {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        self.warnings
+                            .push(format!("cuda chunk graph launch failed ({e}); running eagerly from now on"));
+                        c.graph = GraphState::Failed;
+                    }
+                }
+            }
+            launch_chunk(&self.stream, c, self.pdl).map_err(drv("kernel launch failed"))?;
+            if matches!(c.graph, GraphState::WarmUp) {
+                self.stream.synchronize().map_err(drv("warm-up chunk failed"))?;
+                c.graph = match capture_on(&self.stream, || launch_chunk(&self.stream, c, self.pdl)) {
+                    Ok(g) => GraphState::Ready(g),
+                    Err(e) => {
+                        self.warnings.push(format!("cuda chunk graph capture failed ({e}); running eagerly"));
+                        GraphState::Failed
+                    }
+                };
+            }
+            Ok(())
+        }
+
+        /// Plans the chunk program and lays out its per-row buffers (see `attach_chunk`).
+        fn build_chunk(&mut self, chunk: Arc<Program>) -> Result<Chunk, BackendError> {
+            let rows = chunk.rows();
+            let state = chunk.state_binding(&self.program).map_err(err)?;
+            let plan = plan::plan(&chunk, true, false).map_err(err)?;
+            let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
+            // Per-row buffers, then per-row scratch areas; state is the decode program's.
+            let mut size = 0usize;
+            let mut bufs: Vec<(Option<Buf>, usize, usize)> = Vec::new();
+            for (i, b) in chunk.buffers().iter().enumerate() {
+                match state.iter().find(|(c, _)| c.0 as usize == i) {
+                    Some(&(_, d)) => bufs.push((Some(d), 0, 0)),
+                    None => {
+                        let stride = row_bytes(b.len * 4);
+                        bufs.push((None, size, if b.rows > 1 { stride } else { 0 }));
+                        size += stride * b.rows as usize;
+                    }
+                }
+            }
+            let mut scratch = Vec::new();
+            for kind in SCRATCH_KINDS {
+                let bytes = plan.scratch.iter().filter(|(k, _)| *k == kind).map(|&(_, b)| b).max().unwrap_or(0);
+                let stride = row_bytes(bytes);
+                scratch.push((size, stride));
+                size += stride * rows as usize;
+            }
+            let arena = self.stream.alloc_zeros::<u8>(size).map_err(|e| {
+                err(format!(
+                    "cannot allocate the prefill chunk's {} of buffers ({rows} rows; a smaller --prefill-chunk needs less): {e}",
+                    placement::gb(size as u64)
+                ))
+            })?;
+            let base = arena.device_ptr(&self.stream).0;
+            let areas = Areas {
+                bufs: bufs
+                    .iter()
+                    .map(|&(d, off, stride)| match d {
+                        Some(d) => (self.buf_ptr(d), 0),
+                        None => (base + off as u64, stride as u32),
+                    })
+                    .collect(),
+                scratch: scratch.iter().map(|&(off, stride)| (base + off as u64, stride as u32)).collect(),
+            };
+            let mut ropes = Vec::new();
+            for r in &plan.ropes {
+                if !self.addrs.ropes.iter().any(|(have, _)| have == r) {
+                    let d = upload_rope_table(&self.stream, r, chunk.positions())?;
+                    self.addrs.ropes.push((*r, d.device_ptr(&self.stream).0));
+                    ropes.push(d);
+                }
+            }
+            // Batch steps: one launch over all rows. A row loop: its launches for row 0, then
+            // for row 1, and so on (each row reads the state the previous row left).
+            let mut funcs = match self.chunk_funcs.take() {
+                Some(f) => f,
+                None => Functions {
+                    module: load_kernels(self.stream.context(), &self.arch, self.layout, KernelRows::Chunk)?,
+                    loaded: Vec::new(),
+                },
+            };
+            let steps = chunk.steps();
+            let seq_of = |l: &plan::Launch| l.ops.iter().find_map(|&k| steps[k].seq);
+            let mut launches = Vec::new();
+            let mut loops_seen = Vec::new();
+            let mut i = 0;
+            while i < plan.launches.len() {
+                let Some(k) = seq_of(&plan.launches[i]) else {
+                    launches.push(resolve(
+                        &plan.launches[i],
+                        &plan.ropes,
+                        &areas,
+                        &self.addrs,
+                        &mut funcs,
+                        Rows::All(rows),
+                    )?);
+                    i += 1;
+                    continue;
+                };
+                if loops_seen.contains(&k) {
+                    return Err(err(format!(
+                        "the plan splits row loop {k} of the chunk program (a launch between its ops)"
+                    )));
+                }
+                loops_seen.push(k);
+                let end = i + plan.launches[i..].iter().take_while(|l| seq_of(l) == Some(k)).count();
+                for r in 0..rows {
+                    for l in &plan.launches[i..end] {
+                        launches.push(resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::One(r))?);
+                    }
+                }
+                i = end;
+            }
+            self.chunk_funcs = Some(funcs);
+            let params = self
+                .stream
+                .alloc_zeros::<u32>(4 * rows as usize)
+                .map_err(drv("cannot allocate the chunk's parameters"))?;
+            Ok(Chunk {
+                logits: areas.bufs[chunk.logits().0 as usize],
+                program: chunk,
+                _arena: arena,
+                params,
+                launches,
+                graph: if matches!(self.graph, GraphState::Off) { GraphState::Off } else { GraphState::WarmUp },
+                _ropes: ropes,
+                count: 0,
+            })
         }
 
         /// Kernel launches per token: the nodes of the captured graph.
@@ -939,7 +1273,7 @@ mod imp {
 
         fn step(&mut self, p: &StepParams) -> Result<(), BackendError> {
             self.program.check_params(p).map_err(err)?;
-            let words = [p.token, p.pos, 0, 0];
+            let words = [p.token, p.pos, 0, 1];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             let token = self.tokens;
             self.tokens += 1;
@@ -973,16 +1307,82 @@ mod imp {
             Ok(())
         }
 
+        fn attach_chunk(&mut self, chunk: Arc<Program>) -> Result<(), BackendError> {
+            if chunk.tokens().is_none() {
+                return Err(err("a chunk program needs more than one row"));
+            }
+            if chunk.positions() != self.program.positions() || chunk.n_vocab() != self.program.n_vocab() {
+                return Err(err("the chunk program was recorded for another session shape"));
+            }
+            if self.cache_stats.is_some() {
+                return Err(err(
+                    "batched prefill needs the routed experts in device memory or read in place (placement device \
+                     or unified), not cached from host memory (placement host)",
+                ));
+            }
+            self.chunk = None;
+            self.chunk = Some(self.build_chunk(chunk)?);
+            Ok(())
+        }
+
+        fn step_chunk(&mut self, p: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+            let mut c = self.chunk.take().ok_or_else(|| err("no chunk program is attached"))?;
+            let ran = (|| {
+                c.program.check_chunk(p, tokens).map_err(err)?;
+                // Row r: token r at pos + r; rows past the tokens get count 0 and run nothing.
+                let words: Vec<u32> = (0..c.program.rows())
+                    .flat_map(|r| match tokens.get(r as usize) {
+                        Some(&t) => [t, p.pos + r, 0, 1],
+                        None => [0, p.pos + r, 0, 0],
+                    })
+                    .collect();
+                self.stream.memcpy_htod(&words, &mut c.params).map_err(drv("cannot write the step parameters"))?;
+                self.run_chunk(&mut c)?;
+                c.count = tokens.len();
+                // The decode program's logits: the chunk's last token's, as if it had been stepped.
+                let n = c.program.n_vocab();
+                let src = c.logits.0 + (c.count as u64 - 1) * c.logits.1 as u64;
+                // SAFETY: both ranges are `n` f32 values inside live arenas of this executable.
+                unsafe {
+                    result::memcpy_dtod_async(self.buf_ptr(self.program.logits()), src, n * 4, self.stream.cu_stream())
+                }
+                .map_err(drv("cannot copy the chunk's logits"))
+            })();
+            self.chunk = Some(c);
+            ran
+        }
+
+        fn read_chunk_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+            let c = self.chunk.as_ref().ok_or_else(|| err("no chunk program is attached"))?;
+            let n = c.program.n_vocab();
+            out.clear();
+            let mut row = vec![0u32; n];
+            for r in 0..c.count {
+                // SAFETY: row r of the logits buffer holds `n` f32 values inside the chunk's arena.
+                unsafe {
+                    result::memcpy_dtoh_async(
+                        &mut row,
+                        c.logits.0 + r as u64 * c.logits.1 as u64,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(drv("cannot read the chunk's logits"))?;
+                self.stream.synchronize().map_err(drv("chunk failed"))?;
+                out.extend(row.iter().map(|&v| f32::from_bits(v)));
+            }
+            Ok(())
+        }
+
         fn step_ops(&mut self, p: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
             self.program.check_params(p).map_err(err)?;
-            let words = [p.token, p.pos, 0, 0];
+            let words = [p.token, p.pos, 0, 1];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             self.launch_ops(ops).map_err(drv("kernel launch failed"))
         }
 
         fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
             self.program.check_params(p).map_err(err)?;
-            let words = [p.token, p.pos, 0, 0];
+            let words = [p.token, p.pos, 0, 1];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             let ctx = self.stream.context().clone();
             let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -1031,7 +1431,7 @@ mod imp {
                 r: s.r,
             };
             let (words, _) = args::encode(&a);
-            self.launch_raw(&self.sample_fn, 1, SAMPLE_THREADS, 0, &words)
+            self.launch_helper(&self.sample_fn, 1, SAMPLE_THREADS, &words)
                 .map_err(drv("sampling kernel launch failed"))?;
             let mut id = [0u32];
             // SAFETY: `sampled` is a live 4-byte allocation of this executable.
@@ -1132,7 +1532,7 @@ mod imp {
                 };
                 let a = FillArgs { x: Ptr(self.buf_ptr(Buf(i as u32))), n: d.len as u64, v: value, _pad: 0 };
                 let (words, _) = args::encode(&a);
-                self.launch_raw(&self.fill, (d.len as u32).div_ceil(256).max(1), 256, 0, &words)
+                self.launch_helper(&self.fill, (d.len as u32).div_ceil(256).max(1), 256, &words)
                     .map_err(drv("cannot reset the caches"))?;
             }
             self.stream.synchronize().map_err(drv("cannot reset the caches"))?;

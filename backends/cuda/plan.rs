@@ -87,6 +87,10 @@ const HC_PRE_WARPS: usize = 16;
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
 const SPLIT_K_ROWS: usize = 2048;
 
+/// Set on every launch of a chunk program: the kernel skips a row whose StepParams count is 0 (a
+/// row past the chunk's tokens). Decode launches leave it clear and never read the count.
+pub const CHUNK_ROW: u64 = 1 << 63;
+
 fn pack_cond(c: Option<Cond>) -> u64 {
     match c {
         None => 0,
@@ -1132,8 +1136,8 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 /// With `expert_cache`, each MoE layer first runs the expert cache's two launches (placement
 /// "host": routed experts in host memory, cached in device memory).
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
-    if program.rows() > 1 {
-        return Err(format!("{} (a chunk program of {} rows)", crate::backend::NO_CHUNK_PROGRAMS, program.rows()));
+    if program.rows() > 1 && expert_cache {
+        return Err("a chunk program cannot run with the expert cache (placement host)".into());
     }
     let mut b = Builder {
         program,
@@ -1290,19 +1294,38 @@ mod tests {
     use crate::model::Model;
     use crate::synth::{self, Preset};
 
-    /// Batched prefill is cpu and wgpu only for now: a chunk program is refused with a message
-    /// saying so.
+    /// A chunk program plans like the decode program (the executable runs a batch step's launch
+    /// over all rows and a row loop's launches row by row), so each row loop's launches must come
+    /// together, with nothing of another op between them; with the expert cache it is refused.
     #[test]
-    fn chunk_programs_are_refused() {
-        let model = Model::from_file(File::from_bytes("t", synth::build(&Preset::tiny(), 1)).unwrap()).unwrap();
-        let chunk = crate::decode::record(&model, Caps { ctx: 64 }, 8, 8).unwrap();
-        let e = plan(&chunk, true, false).err().expect("refused");
-        assert!(e.contains(crate::backend::NO_CHUNK_PROGRAMS) && e.contains("8 rows"), "{e}");
+    fn chunk_plans_keep_each_row_loop_together() {
+        for preset in [Preset::tiny(), Preset::small()] {
+            let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
+            let chunk = crate::decode::record(&model, Caps { ctx: 256 }, 8, 8).unwrap();
+            let e = plan(&chunk, true, true).err().expect("refused");
+            assert!(e.contains("expert cache"), "{e}");
+            for fuse in [false, true] {
+                let p = plan(&chunk, fuse, false).unwrap();
+                let seq: Vec<Option<u32>> =
+                    p.launches.iter().map(|l| l.ops.iter().find_map(|&k| chunk.steps()[k].seq)).collect();
+                let loops: Vec<u32> = seq.iter().flatten().copied().collect();
+                assert!(!loops.is_empty(), "{}: the compressors' row loops", preset.name);
+                for k in loops {
+                    let at: Vec<usize> = (0..seq.len()).filter(|&i| seq[i] == Some(k)).collect();
+                    assert_eq!(
+                        at.last().unwrap() - at[0] + 1,
+                        at.len(),
+                        "{} fuse {fuse}: loop {k} at {at:?}",
+                        preset.name
+                    );
+                }
+            }
+        }
     }
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
     fn kernel_signatures() -> Vec<(String, String)> {
-        let src = super::super::kernel_source(super::super::BlockLayout::Split);
+        let src = super::super::kernel_source(super::super::BlockLayout::Split, super::super::KernelRows::Chunk);
         let mut out = Vec::new();
         for part in src.split("extern \"C\" __global__ void ").skip(1) {
             // A `__launch_bounds__(...)` may come before the name.
@@ -1313,9 +1336,9 @@ mod tests {
             let name = part[..part.find('(').unwrap()].trim().to_string();
             let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
             let parts: Vec<&str> = params.split(',').map(str::trim).collect();
-            assert_eq!(parts.len(), 2, "{name} takes (DS4_ARGS, const XArgs a), not ({params})");
+            assert_eq!(parts.len(), 2, "{name} takes (DS4_ARGS, XArgs a), not ({params})");
             assert_eq!(parts[0], "DS4_ARGS", "{name}");
-            let ty = parts[1].strip_prefix("const ").and_then(|t| t.strip_suffix(" a")).unwrap_or("?").to_string();
+            let ty = parts[1].strip_suffix(" a").unwrap_or("?").to_string();
             out.push((name, ty));
         }
         out
