@@ -54,6 +54,54 @@ __device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, 
 
 // With `rows2` > 0 a second matrix of the same width (`w2`, `out2`) follows the first in the
 // same launch, reading the same input (both ungrouped): two ops, one launch.
+#if DS4_CHUNK_ROWS
+// The chunk build: a warp computes its matrix row for Q8_TOKEN_ROWS token rows of the chunk
+// (blockIdx.y picks which), loading each weight block once for all of them. Each token row's
+// sum is the decode kernel's: per chunk a lane's one term from +0, the butterfly, chunk sums
+// added in order from +0. Rows past the chunk's tokens (and rows whose predicate is false) are
+// neither read nor written.
+extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
+    const u32 y0 = blockIdx.y * Q8_TOKEN_ROWS;
+    u32 active = 0;
+#pragma unroll
+    for (u32 t = 0; t < Q8_TOKEN_ROWS; t++)
+        if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
+    ds4_wait_predecessor();
+    const u32 lane = threadIdx.x & 31;
+    const u32 rr = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool second = rr >= a.rows;
+    const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
+    if (!active || r >= rows) return;
+    const u8* w = second ? a.w2 : a.w;
+    const u32 out_stride = second ? R.s[5] : R.s[3];
+    const u32 nb = a.in_dim / 32;
+    const u32 g = second ? 0 : r / a.rows_per_group;
+    float total[Q8_TOKEN_ROWS];
+#pragma unroll
+    for (u32 t = 0; t < Q8_TOKEN_ROWS; t++) total[t] = 0.0f;
+    for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
+        const u32 b = c + lane;
+        int4 q0 = make_int4(0, 0, 0, 0), q1 = q0;
+        u16 sc = 0;
+        if (b < nb) q8_0_load(w, rows, nb, r, b, &q0, &q1, &sc);
+#pragma unroll
+        for (u32 t = 0; t < Q8_TOKEN_ROWS; t++) {
+            if (!((active >> t) & 1)) continue;
+            const u64 y = y0 + t;
+            const int4* x4 = (const int4*)(a.xq + y * R.s[1] + (u64)g * a.in_dim);
+            const float* dx = (const float*)((const u8*)a.xd + y * R.s[2]) + (u64)g * nb;
+            float acc = 0.0f;
+            if (b < nb) acc += q8_0_term(q0, q1, sc, x4, dx, b);
+            total[t] += warp_sum(acc);
+        }
+    }
+    if (lane != 0) return;
+    float* out = second ? a.out2 : a.out;
+#pragma unroll
+    for (u32 t = 0; t < Q8_TOKEN_ROWS; t++)
+        if ((active >> t) & 1) ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r] = total[t];
+}
+#else
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;
     const u32 lane = threadIdx.x & 31;
@@ -99,6 +147,7 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     }
     if (lane == 0) out[r] = total;
 }
+#endif
 
 // The 16 halves a lane reads of one 512-term chunk of an F16 row (8 consecutive per lane step);
 // `n` is the number of terms left (a multiple of 8). Lanes past the row's end read nothing.

@@ -77,6 +77,10 @@ enum Cmd {
         /// tools such as `scripts/kernel-registers`.
         #[arg(long, value_name = "FILE")]
         source: Option<PathBuf>,
+        /// With --source: the build for prefill chunks (several token rows per launch) instead
+        /// of the decode build.
+        #[arg(long, requires = "source")]
+        chunk: bool,
     },
     /// Print the token ids of a text as a JSON array.
     Tokenize {
@@ -384,7 +388,7 @@ fn main() {
         Cmd::Inspect { model, vram_budget, ctx } => cmd_inspect(&model, vram_budget, ctx),
         Cmd::Synth { preset, out, seed } => cmd_synth(&preset, &out, seed),
         Cmd::Tokenize { model, prompt, prompt_file } => cmd_tokenize(&model, prompt, prompt_file),
-        Cmd::Kernels { arch, source } => cmd_kernels(&arch, source.as_deref()),
+        Cmd::Kernels { arch, source, chunk } => cmd_kernels(&arch, source.as_deref(), chunk),
     };
     if let Err(e) = r {
         // A reader that stopped reading (`ds4 inspect | head`) is not a failure.
@@ -1142,12 +1146,13 @@ fn cmd_tokenize(model: &Path, prompt: Option<String>, prompt_file: Option<PathBu
     Ok(())
 }
 
-fn cmd_kernels(arch: &str, source: Option<&Path>) -> Result<()> {
+fn cmd_kernels(arch: &str, source: Option<&Path>, chunk: bool) -> Result<()> {
     use ds4::backends::cuda::{BlockLayout, KernelRows};
     if let Some(path) = source {
         #[cfg(feature = "cuda")]
         {
-            let text = ds4::backends::cuda::kernel_source(BlockLayout::Split, KernelRows::One);
+            let rows = if chunk { KernelRows::Chunk } else { KernelRows::One };
+            let text = ds4::backends::cuda::kernel_source(BlockLayout::Split, rows);
             std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
             return Ok(());
         }

@@ -34,8 +34,9 @@ fn compare_on(
     ctx: usize,
 ) -> Option<ds4::backend::ExpertCacheStats> {
     let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
-    let mut a = Session::new(model.clone(), &cpu, ctx).unwrap();
-    let mut b = Session::new(model.clone(), gpu, ctx).unwrap();
+    // Token by token on both sides: the decode program, step after step.
+    let mut a = Session::with_prefill_chunk(model.clone(), &cpu, ctx, 1).unwrap();
+    let mut b = Session::with_prefill_chunk(model.clone(), gpu, ctx, 1).unwrap();
     let mut next = tokens[0];
     for i in 0..tokens.len() + extra {
         let t = if i < tokens.len() { tokens[i] } else { next };

@@ -133,6 +133,15 @@ mod imp {
     /// Prompt tokens per prefill chunk by default: each batch launch covers this many rows.
     const DEFAULT_PREFILL_CHUNK: usize = 64;
 
+    /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
+    const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
+
+    /// Token rows a warp of the chunk build's Q8_0 matvec covers: each weight block is loaded once
+    /// for this many rows. `DS4_CUDA_TOKEN_ROWS` (1 to 32) overrides the default 8, to measure.
+    fn q8_token_rows() -> u32 {
+        std::env::var("DS4_CUDA_TOKEN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(8u32).clamp(1, 32)
+    }
+
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
     const SAMPLE_THREADS: u32 = 1024;
 
@@ -151,12 +160,16 @@ mod imp {
     pub fn kernel_source(layout: BlockLayout, rows: KernelRows) -> String {
         let native = (layout == BlockLayout::Native) as u32;
         let chunk = (rows == KernelRows::Chunk) as u32;
+        let token_rows = match rows {
+            KernelRows::Chunk => format!("#define Q8_TOKEN_ROWS {}\n", q8_token_rows()),
+            KernelRows::One => String::new(),
+        };
         let tuning: String = std::env::var("DS4_CUDA_DEFINES")
             .unwrap_or_default()
             .split_whitespace()
             .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
             .collect();
-        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{tuning}")
+        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{tuning}")
             + &args::c_header()
             + "\n"
             + &SOURCES.join("\n")
@@ -529,7 +542,10 @@ mod imp {
     /// The rows a resolved launch covers.
     #[derive(Clone, Copy)]
     enum Rows {
-        /// Rows 0..n in one launch, as `blockIdx.y` (1: a decode launch).
+        /// A decode program's launch: one token, no per-row anything.
+        Decode,
+        /// A chunk launch over `blockIdx.y` 0..n (each covering one token row, or several for
+        /// the chunk build's Q8_0 matvec).
         All(u32),
         /// This row alone.
         One(u32),
@@ -573,6 +589,7 @@ mod imp {
                 }
             };
             match rows {
+                Rows::Decode => a[word] = addr,
                 Rows::All(_) => {
                     a[word] = addr;
                     strides[i] = stride;
@@ -581,7 +598,7 @@ mod imp {
             }
         }
         let (rows, row, cond) = match rows {
-            Rows::All(1) => (1, 0, l.cond),
+            Rows::Decode => (1, 0, l.cond),
             Rows::All(n) => (n, 0, l.cond | plan::CHUNK_ROW),
             Rows::One(r) => (1, r, l.cond | plan::CHUNK_ROW),
         };
@@ -996,7 +1013,7 @@ mod imp {
             };
             let mut funcs = Functions { module: module.clone(), loaded: Vec::new() };
             let mut resolve_all = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
-                p.launches.iter().map(|l| resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::All(1))).collect()
+                p.launches.iter().map(|l| resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)).collect()
             };
             let launches = resolve_all(&plan)?;
             let single = resolve_all(&single_plan)?;
@@ -1208,19 +1225,18 @@ mod imp {
             };
             let steps = chunk.steps();
             let seq_of = |l: &plan::Launch| l.ops.iter().find_map(|&k| steps[k].seq);
+            // The chunk build's Q8_0 matvec covers `token_rows` rows per blockIdx.y; the parameter
+            // rows are padded to a whole number of them (count 0: nothing runs).
+            let token_rows = q8_token_rows();
+            let param_rows = rows.next_multiple_of(token_rows);
             let mut launches = Vec::new();
             let mut loops_seen = Vec::new();
             let mut i = 0;
             while i < plan.launches.len() {
                 let Some(k) = seq_of(&plan.launches[i]) else {
-                    launches.push(resolve(
-                        &plan.launches[i],
-                        &plan.ropes,
-                        &areas,
-                        &self.addrs,
-                        &mut funcs,
-                        Rows::All(rows),
-                    )?);
+                    let l = &plan.launches[i];
+                    let ys = if l.kernel == Q8_MULTI_ROW_KERNEL { rows.div_ceil(token_rows) } else { rows };
+                    launches.push(resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(ys))?);
                     i += 1;
                     continue;
                 };
@@ -1231,6 +1247,9 @@ mod imp {
                 }
                 loops_seen.push(k);
                 let end = i + plan.launches[i..].iter().take_while(|l| seq_of(l) == Some(k)).count();
+                if let Some(l) = plan.launches[i..end].iter().find(|l| l.kernel == Q8_MULTI_ROW_KERNEL) {
+                    return Err(err(format!("{} inside row loop {k}: its chunk build covers several rows", l.kernel)));
+                }
                 for r in 0..rows {
                     for l in &plan.launches[i..end] {
                         launches.push(resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::One(r))?);
@@ -1241,7 +1260,7 @@ mod imp {
             self.chunk_funcs = Some(funcs);
             let params = self
                 .stream
-                .alloc_zeros::<u32>(4 * rows as usize)
+                .alloc_zeros::<u32>(4 * param_rows as usize)
                 .map_err(drv("cannot allocate the chunk's parameters"))?;
             Ok(Chunk {
                 logits: areas.bufs[chunk.logits().0 as usize],
@@ -1330,7 +1349,7 @@ mod imp {
             let ran = (|| {
                 c.program.check_chunk(p, tokens).map_err(err)?;
                 // Row r: token r at pos + r; rows past the tokens get count 0 and run nothing.
-                let words: Vec<u32> = (0..c.program.rows())
+                let words: Vec<u32> = (0..c.program.rows().next_multiple_of(q8_token_rows()))
                     .flat_map(|r| match tokens.get(r as usize) {
                         Some(&t) => [t, p.pos + r, 0, 1],
                         None => [0, p.pos + r, 0, 0],
