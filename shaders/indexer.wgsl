@@ -6,8 +6,6 @@
 @group(0) @binding(4) var<storage, read_write> CACHE: array<f32>;
 @group(0) @binding(5) var<storage, read_write> SCORES: array<f32>;
 @group(0) @binding(6) var<storage, read_write> SEL: array<i32>;
-// One flag per row of capacity (scratch).
-@group(0) @binding(7) var<storage, read_write> TAKEN: array<u32>;
 
 var<workgroup> term: array<f32, 128>;
 
@@ -62,12 +60,53 @@ fn indexer_scores(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
 }
 
-var<workgroup> best_v: array<f32, 256>;
-var<workgroup> best_i: array<u32, 256>;
+// The order-preserving key of a score: larger scores, larger keys; 0 for a row that is never
+// picked (at or below -1e30, or NaN). -0 takes +0's key (as integers: a compiler may not keep a
+// float -0 apart), as the float comparison ranks them equal.
+fn top_k_key(s: f32) -> u32 {
+    if (!(s > -1.0e30)) {
+        return 0u;
+    }
+    var u = bitcast<u32>(s);
+    if (u == 0x80000000u) {
+        u = 0u;
+    }
+    if ((u & 0x80000000u) != 0u) {
+        return ~u;
+    }
+    return u | 0x80000000u;
+}
 
-// args: top_k, ratio, cap. One workgroup: top_k rounds of a workgroup argmax over the rows not
-// taken yet (largest score above -1e30, lower row on ties; none: row 0, as ds4), then the taken
-// rows in ascending order, the rest of the output 0.
+var<workgroup> hist: array<atomic<u32>, 256>;
+var<workgroup> pickable: atomic<u32>;
+var<workgroup> scan: array<u32, 256>;
+var<workgroup> pick_info: array<u32, 3>;
+
+// Exclusive prefix count of `flag` over the workgroup's invocations in index order, and the
+// total: (before, total). Call in uniform control flow.
+fn count_before(flag: bool, lid: u32) -> vec2<u32> {
+    let own = select(0u, 1u, flag);
+    workgroupBarrier();
+    scan[lid] = own;
+    workgroupBarrier();
+    for (var o = 1u; o < 256u; o = o * 2u) {
+        var v = 0u;
+        if (lid >= o) {
+            v = scan[lid - o];
+        }
+        workgroupBarrier();
+        scan[lid] = scan[lid] + v;
+        workgroupBarrier();
+    }
+    return vec2<u32>(scan[lid] - own, scan[255]);
+}
+
+// args: top_k, ratio, cap. One workgroup. The canonical pick (the CPU's top_k_ascending) takes
+// k = min(top_k, rows) times the best untaken row above -1e30, ties to the lower row, row 0 when
+// none is left; written in ascending row order, the rest of the output 0. The same set without k
+// rounds: a radix select (four 8-bit passes over the keys) finds the key T of the last row taken
+// from the pickable rows and how many rows of key T are taken (the lowest ones); a prefix count
+// then writes the set in row order (kernels/indexer.cu does the same).
 @compute @workgroup_size(256)
 fn indexer_top_k(@builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
@@ -75,49 +114,82 @@ fn indexer_top_k(@builtin(local_invocation_index) lid: u32) {
     }
     let top_k = arg(0u);
     let n = comp_rows(arg(1u), arg(2u));
-    for (var c = lid; c < n; c = c + 256u) {
-        TAKEN[c] = 0u;
-    }
-    storageBarrier();
     let k = min(top_k, n);
-    for (var pick = 0u; pick < k; pick = pick + 1u) {
-        var v = -1.0e30;
-        var idx = 0xffffffffu;
-        for (var c = lid; c < n; c = c + 256u) {
-            if (TAKEN[c] == 0u && SCORES[c] > v) {
-                v = SCORES[c];
-                idx = c;
-            }
+    if (lid == 0u) {
+        atomicStore(&pickable, 0u);
+    }
+    workgroupBarrier();
+    var mine = 0u;
+    for (var c = lid; c < n; c = c + 256u) {
+        if (top_k_key(SCORES[c]) != 0u) {
+            mine = mine + 1u;
         }
-        best_v[lid] = v;
-        best_i[lid] = idx;
-        workgroupBarrier();
-        if (lid == 0u) {
-            var bv = best_v[0];
-            var bi = best_i[0];
-            for (var t = 1u; t < 256u; t = t + 1u) {
-                if (best_i[t] != 0xffffffffu && (bi == 0xffffffffu || best_v[t] > bv || (best_v[t] == bv && best_i[t] < bi))) {
-                    bv = best_v[t];
-                    bi = best_i[t];
+    }
+    atomicAdd(&pickable, mine);
+    workgroupBarrier();
+    if (lid == 0u) {
+        pick_info[0] = atomicLoad(&pickable);
+    }
+    let n_pick = workgroupUniformLoad(&pick_info[0]);
+    let want = min(k, n_pick);
+    var prefix = 0u;
+    var mask = 0u;
+    var need = want;
+    if (want > 0u) {
+        for (var step = 0u; step < 4u; step = step + 1u) {
+            let shift = 24u - 8u * step;
+            atomicStore(&hist[lid], 0u);
+            workgroupBarrier();
+            for (var c = lid; c < n; c = c + 256u) {
+                let key = top_k_key(SCORES[c]);
+                if (key != 0u && (key & mask) == prefix) {
+                    atomicAdd(&hist[(key >> shift) & 255u], 1u);
                 }
             }
-            if (bi == 0xffffffffu) {
-                bi = 0u;
+            workgroupBarrier();
+            if (lid == 0u) {
+                // The digit holding the need-th largest key among those matching the prefix.
+                var above = 0u;
+                var d = 255u;
+                loop {
+                    let h = atomicLoad(&hist[d]);
+                    if (above + h >= need) {
+                        break;
+                    }
+                    above = above + h;
+                    d = d - 1u;
+                }
+                pick_info[1] = d;
+                pick_info[2] = need - above;
             }
-            TAKEN[bi] = 1u;
+            let digit = workgroupUniformLoad(&pick_info[1]);
+            need = workgroupUniformLoad(&pick_info[2]);
+            prefix = prefix | (digit << shift);
+            mask = mask | (255u << shift);
         }
-        storageBarrier();
     }
-    if (lid == 0u) {
-        var m = 0u;
-        for (var c = 0u; c < n; c = c + 1u) {
-            if (TAKEN[c] != 0u) {
-                SEL[m] = i32(c);
-                m = m + 1u;
-            }
+    // Rows with a key above T, and the first `need` rows of key T, in row order; row 0 as well
+    // when fewer than k rows are pickable.
+    let fallback = n_pick < k;
+    var written = 0u;
+    var ties_seen = 0u;
+    for (var base = 0u; base < n; base = base + 256u) {
+        let c = base + lid;
+        var key = 0u;
+        if (c < n) {
+            key = top_k_key(SCORES[c]);
         }
-        for (; m < top_k; m = m + 1u) {
-            SEL[m] = 0;
+        let tie = want > 0u && key != 0u && key == prefix;
+        let tc = count_before(tie, lid);
+        let sel = (want > 0u && key != 0u && (key > prefix || (tie && ties_seen + tc.x < need))) || (fallback && c == 0u);
+        let sc = count_before(sel, lid);
+        if (sel) {
+            SEL[written + sc.x] = i32(c);
         }
+        written = written + sc.y;
+        ties_seen = ties_seen + tc.y;
+    }
+    for (var i = written + lid; i < top_k; i = i + 256u) {
+        SEL[i] = 0;
     }
 }

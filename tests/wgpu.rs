@@ -116,3 +116,10 @@ fn an_adapter_that_is_not_there_is_a_clear_error() {
     let e = WgpuBackend::new(Some("no-such-adapter-xyz"), Tuning::default()).err().expect("no such adapter");
     assert!(e.to_string().contains("no-such-adapter-xyz") && e.to_string().contains("adapters found"), "{e}");
 }
+
+/// The indexer's top-k on wgpu (a radix select) equals the CPU's pick on crafted scores: ties,
+/// NaN, -1e30, infinities, signed zeros, fewer pickable rows than k, several workgroups' rows.
+#[test]
+fn wgpu_top_k_equals_the_cpu_on_crafted_scores() {
+    common::assert_top_k_equals_the_cpu(wgpu_backend().as_ref());
+}

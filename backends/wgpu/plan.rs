@@ -23,8 +23,6 @@ pub enum Scratch {
     Partial,
     /// Attention scores, `max_rows` per head.
     Scores,
-    /// Top-k flags, one per row of capacity.
-    Taken,
 }
 
 /// What a binding of a dispatch is bound to.
@@ -739,9 +737,8 @@ impl Builder<'_> {
                 self.push("indexer_scores", rows.cap.max(1), args, binds);
             }
             Op::IndexerTopK { scores, out, top_k, rows } => {
-                self.need(Scratch::Taken, rows.cap as u64 * 4);
                 let ratio = comp_ratio(rows.kind)?;
-                let binds = vec![(5, Res::Buf(scores)), (6, Res::Buf(out)), (7, Res::Scratch(Scratch::Taken))];
+                let binds = vec![(5, Res::Buf(scores)), (6, Res::Buf(out))];
                 self.push("indexer_top_k", 1, vec![top_k, ratio, rows.cap], binds);
             }
             Op::Attention { q, raw, comp, selected, top_k, sinks, out, n_head, head_dim, raw_rows, comp_rows } => {
