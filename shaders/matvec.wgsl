@@ -122,12 +122,16 @@ fn q8_row(second: bool, wq: u32, hs: u32, xq: u32, xd: u32, nb: u32, lid: u32) -
 // args: in_dim, rows (in this chunk), rows_per_group, row0, d_off (XQ scales), ws_off (word of the
 // chunk's f16 scales). Weights repacked at upload: each row's quants (8 words per block), then
 // all f16 scales. Block term: (f16(d_w) * d_x) * isum. 32 lanes per row, 8 rows per workgroup.
+// In a chunk, one dispatch computes every token row: row wid.z, whose XQ and OUT start
+// x_stride() and out_stride() words after the previous row's (0 in a decode program); so do
+// mat_vec_f16 and mat_vec_f32 (with X).
 @compute @workgroup_size(256)
 fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard_at(P.pos + wid.z)) {
         return;
     }
+    let xo = wid.z * x_stride();
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
@@ -137,9 +141,9 @@ fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let rr = min(r, rows - 1u);
     let nb = in_dim / 32u;
     let g = (row0 + rr) / arg(2u);
-    let total = q8_row(false, rr * nb * 2u, ws_off * 2u + rr * nb, g * nb * 2u, d_off + g * nb, nb, lid);
+    let total = q8_row(false, rr * nb * 2u, ws_off * 2u + rr * nb, xo / 4u + g * nb * 2u, xo + d_off + g * nb, nb, lid);
     if (r < rows && lid % 32u == 0u) {
-        OUT[row0 + r] = total;
+        OUT[wid.z * out_stride() + row0 + r] = total;
     }
 }
 
@@ -181,7 +185,7 @@ fn mat_vec_q8_0_pair(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
 @compute @workgroup_size(256)
 fn mat_vec_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard_at(P.pos + wid.z)) {
         return;
     }
     let in_dim = arg(0u);
@@ -190,7 +194,7 @@ fn mat_vec_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let lane = lid % 32u;
     let r = group_index(wid, nwg) * 8u + lid / 32u;
     let rr = min(r, rows - 1u);
-    let xg = ((row0 + rr) / arg(2u)) * in_dim;
+    let xg = wid.z * x_stride() + ((row0 + rr) / arg(2u)) * in_dim;
     let wr = rr * in_dim;
     var total = zero();
     for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
@@ -210,7 +214,7 @@ fn mat_vec_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         total = fadd(total, lane_sum(acc, lid));
     }
     if (r < rows && lane == 0u) {
-        OUT[row0 + r] = total;
+        OUT[wid.z * out_stride() + row0 + r] = total;
     }
 }
 
@@ -218,7 +222,7 @@ fn mat_vec_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 @compute @workgroup_size(256)
 fn mat_vec_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard_at(P.pos + wid.z)) {
         return;
     }
     let in_dim = arg(0u);
@@ -227,7 +231,7 @@ fn mat_vec_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let lane = lid % 32u;
     let r = group_index(wid, nwg) * 8u + lid / 32u;
     let rr = min(r, rows - 1u);
-    let xg = ((row0 + rr) / arg(2u)) * in_dim;
+    let xg = wid.z * x_stride() + ((row0 + rr) / arg(2u)) * in_dim;
     let wr = rr * in_dim;
     var total = zero();
     for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
@@ -244,7 +248,7 @@ fn mat_vec_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         total = fadd(total, lane_sum(acc, lid));
     }
     if (r < rows && lane == 0u) {
-        OUT[row0 + r] = total;
+        OUT[wid.z * out_stride() + row0 + r] = total;
     }
 }
 

@@ -671,10 +671,10 @@ mod imp {
             });
             // Batched: one dispatch for all rows, with the row strides in words of X (or its Q8_0
             // scratch) and OUT in argument words 26 and 27 (`chunk_rows` in shaders/common.wgsl):
-            // the matvecs with one invocation per matrix row loop over the chunk's rows; the RMS
-            // norm (without the quantizations and RoPE it fuses in a decode plan), SwiGLU, Add,
-            // the Q8_0 quantization and RoPE (each row at its position) take a row per workgroup
-            // along z.
+            // the matvecs with one invocation per matrix row loop over the chunk's rows; the
+            // 32-lane matvecs (not split-K), the RMS norm (without the quantizations and RoPE it
+            // fuses in a decode plan), SwiGLU, Add, the Q8_0 quantization and RoPE (each row at
+            // its position) take a row per workgroup along z.
             let scratch_buf = |d: &plan::Dispatch, b: u32| match d.binds.iter().find(|(k, _)| *k == b) {
                 Some(&(_, Res::Buf(x))) if state_of[x.0 as usize].is_none() => Some(stride[x.0 as usize]),
                 Some(&(_, Res::Scratch(s))) => scratch.get(&s).map(|e| e.1),
@@ -688,6 +688,12 @@ mod imp {
                     let (x, out, how) = match d.entry {
                         "mat_vec_q8_0_rows" => (5, 4, Batch::Loop),
                         "mat_vec_f16_rows" | "mat_vec_f32_rows" => (3, 4, Batch::Loop),
+                        // The 32-lane matvecs: a token row per workgroup along z (the Q8_0 one
+                        // reads its input as 16-byte vectors: its row stride must be whole ones).
+                        "mat_vec_q8_0" if rows <= max_z && scratch_buf(d, 5).is_some_and(|s| s % 16 == 0) => {
+                            (5, 4, Batch::Grid)
+                        }
+                        "mat_vec_f16" | "mat_vec_f32" if rows <= max_z => (3, 4, Batch::Grid),
                         "rms_norm" if d.args[6..10] == [0; 4] && rows <= max_z => (2, 3, Batch::Grid),
                         "quantize_q8_0" if rows <= max_z => (3, 5, Batch::Grid),
                         // Only X has rows (the out stride is unread).
