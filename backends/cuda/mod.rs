@@ -473,12 +473,13 @@ mod imp {
         side: bool,
         fork: bool,
         join: bool,
-        /// Chunk rows the launch covers (`blockIdx.y`): 1 for a decode launch and for a row
-        /// loop's launch, all of a chunk's rows for a batch step.
+        /// `gridDim.y`: 1 for a decode launch and for a row loop's launch; for a batch step the
+        /// chunk's rows (the chunk build's Q8_0 matvec: its groups of `q8_token_rows` rows).
         rows: u32,
         /// The first row's StepParams (an index into the program's parameter rows).
         row: u32,
-        /// Each pointer's byte stride from one row to the next (all 0 when `rows` is 1).
+        /// Each pointer's byte stride from one row to the next (all 0 for a decode launch and for
+        /// a row loop's, whose pointers are already at their row).
         strides: args::RowStrides,
     }
 
