@@ -297,9 +297,10 @@ fn mat_vec_q8_0_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     }
 }
 
-@compute @workgroup_size(64)
-fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                    @builtin(local_invocation_index) lid: u32) {
+// F16 or F32 weights (`is_f16` is the same for every invocation of a dispatch): the 32 lane sums
+// of a 512-term chunk as the 32-lane kernels add them (F16: 8 consecutive halves per lane step,
+// F32: 4 consecutive values).
+fn mat_vec_dense_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool) {
     let in_dim = arg(0u);
     let rows = arg(1u);
     let row0 = arg(3u);
@@ -316,12 +317,19 @@ fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         var total = zero();
         for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
             var acc = zero32();
-            for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 2u) {
-                // Two halves per word (in_dim is even, so a pair never straddles a chunk).
-                let w = W[(wr + c0 + j) / 2u];
-                let l = (j / 8u) % 32u;
-                acc[l] = fadd(acc[l], fmul(h2f(w & 0xffffu), X[xg + c0 + j]));
-                acc[l] = fadd(acc[l], fmul(h2f(w >> 16u), X[xg + c0 + j + 1u]));
+            if (is_f16) {
+                for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 2u) {
+                    // Two halves per word (in_dim is even, so a pair never straddles a chunk).
+                    let w = W[(wr + c0 + j) / 2u];
+                    let l = (j / 8u) % 32u;
+                    acc[l] = fadd(acc[l], fmul(h2f(w & 0xffffu), X[xg + c0 + j]));
+                    acc[l] = fadd(acc[l], fmul(h2f(w >> 16u), X[xg + c0 + j + 1u]));
+                }
+            } else {
+                for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 1u) {
+                    let l = (j / 4u) % 32u;
+                    acc[l] = fadd(acc[l], fmul(bitcast<f32>(W[wr + c0 + j]), X[xg + c0 + j]));
+                }
             }
             total = fadd(total, tree32(&acc));
         }
@@ -330,32 +338,15 @@ fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
 }
 
 @compute @workgroup_size(64)
+fn mat_vec_f16_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    mat_vec_dense_rows(wid, nwg, lid, true);
+}
+
+@compute @workgroup_size(64)
 fn mat_vec_f32_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                     @builtin(local_invocation_index) lid: u32) {
-    let in_dim = arg(0u);
-    let rows = arg(1u);
-    let row0 = arg(3u);
-    let r = group_index(wid, nwg) * 64u + lid;
-    if (r >= rows) {
-        return;
-    }
-    let wr = r * in_dim;
-    for (var t = 0u; t < chunk_rows(); t = t + 1u) {
-        if (!guard_at(P.pos + t)) {
-            continue;
-        }
-        let xg = t * x_stride() + ((row0 + r) / arg(2u)) * in_dim;
-        var total = zero();
-        for (var c0 = 0u; c0 < in_dim; c0 = c0 + 512u) {
-            var acc = zero32();
-            for (var j = 0u; j < 512u && c0 + j < in_dim; j = j + 1u) {
-                let l = (j / 4u) % 32u;
-                acc[l] = fadd(acc[l], fmul(bitcast<f32>(W[wr + c0 + j]), X[xg + c0 + j]));
-            }
-            total = fadd(total, tree32(&acc));
-        }
-        OUT[t * out_stride() + row0 + r] = total;
-    }
+    mat_vec_dense_rows(wid, nwg, lid, false);
 }
 
 // Split-K for narrow matrices (few rows, long rows): one workgroup per row, subgroup s of its 8
