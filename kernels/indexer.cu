@@ -28,11 +28,11 @@ extern "C" __global__ void indexer_scores(DS4_ARGS, IndexerScoresArgs a) {
 
 // The order-preserving key of a score: larger scores, larger keys; 0 for a row that is never
 // picked (at or below -1e30, or NaN: the canonical pick takes only scores above -1e30). -0 takes
-// +0's key, as the float comparison ranks them equal.
+// +0's key (as integers), as the float comparison ranks them equal.
 __device__ __forceinline__ u32 top_k_key(float s) {
     if (!(s > -1.0e30f)) return 0;
-    if (s == 0.0f) s = 0.0f;
-    const u32 u = __float_as_uint(s);
+    u32 u = __float_as_uint(s);
+    if (u == 0x80000000u) u = 0;
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
