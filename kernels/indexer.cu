@@ -26,55 +26,94 @@ extern "C" __global__ void indexer_scores(DS4_ARGS, IndexerScoresArgs a) {
     }
 }
 
-// One block of 1024 threads. `taken` is scratch with one int per row of capacity.
-extern "C" __global__ void indexer_top_k(DS4_ARGS, IndexerTopKArgs a) {
-    DS4_GUARD;
-    const float* scores = a.scores;
-    int* out = a.out;
-    int* taken = a.taken;
-    const u32 top_k = a.top_k, ratio = a.ratio, cap = a.cap;
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    __shared__ int picked[1024];
-    const u32 n = ds4_comp_rows(P, ratio, cap);
-    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
-    for (u32 c = t; c < n; c += blockDim.x) taken[c] = 0;
+// The order-preserving key of a score: larger scores, larger keys; 0 for a row that is never
+// picked (at or below -1e30, or NaN: the canonical pick takes only scores above -1e30). -0 takes
+// +0's key (as integers), as the float comparison ranks them equal.
+__device__ __forceinline__ u32 top_k_key(float s) {
+    if (!(s > -1.0e30f)) return 0;
+    u32 u = __float_as_uint(s);
+    if (u == 0x80000000u) u = 0;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix count of `flag` over the block's threads in thread order; *total gets the
+// block's count. `counts` is shared scratch of one word per warp.
+__device__ __forceinline__ u32 block_count_before(bool flag, u32* total, u32* counts) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 ballot = __ballot_sync(0xffffffffu, flag);
     __syncthreads();
-    const u32 k = min(top_k, n);
-    for (u32 pick = 0; pick < k; pick++) {
-        float v = -1.0e30f;
-        int idx = 0x7fffffff;
-        for (u32 c = t; c < n; c += blockDim.x) {
-            if (!taken[c] && scores[c] > v) {
-                v = scores[c];
-                idx = (int)c;
-            }
-        }
-        warp_argmax(&v, &idx);
-        if (lane == 0) {
-            best_v[warp] = v;
-            best_i[warp] = idx;
-        }
-        __syncthreads();
-        if (t == 0) {
-            float bv = best_v[0];
-            int bi = best_i[0];
-            for (u32 w = 1; w < nw; w++) {
-                if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) {
-                    bv = best_v[w];
-                    bi = best_i[w];
-                }
-            }
-            if (bi == 0x7fffffff) bi = 0;  // nothing above -1e30: ds4 falls back to row 0
-            taken[bi] = 1;
-            picked[pick] = bi;
-        }
-        __syncthreads();
+    if (lane == 0) counts[warp] = __popc(ballot);
+    __syncthreads();
+    u32 before = 0, all = 0;
+    for (u32 w = 0; w < nw; w++) {
+        before += w < warp ? counts[w] : 0;
+        all += counts[w];
     }
-    // Ascending order: each pick's rank is the number of smaller picks.
-    for (u32 i = t; i < k; i += blockDim.x) {
-        u32 rank = 0;
-        for (u32 j = 0; j < k; j++) rank += picked[j] < picked[i];
-        out[rank] = picked[i];
+    *total = all;
+    return before + __popc(ballot & ((1u << lane) - 1));
+}
+
+// One block of 1024 threads. The canonical pick (recorder: IndexerTopK; the CPU's
+// top_k_ascending) takes k = min(top_k, rows) times the best untaken row above -1e30, ties to the
+// lower row, row 0 when none is left; the result is written in ascending row order, zeros after.
+// That set is found without k rounds: a radix select (four 8-bit passes over the keys) finds the
+// key T of the last row taken from the pickable rows and how many rows of key T are taken (the
+// lowest ones); a block-wide prefix count then writes the set in row order.
+extern "C" __global__ void __launch_bounds__(1024) indexer_top_k(DS4_ARGS, IndexerTopKArgs a) {
+    DS4_GUARD;
+    __shared__ u32 hist[256];
+    __shared__ u32 counts[32];
+    __shared__ u32 pickable, digit, left;
+    const u32 n = ds4_comp_rows(P, a.ratio, a.cap);
+    const u32 k = min(a.top_k, n);
+    const u32 t = threadIdx.x;
+    if (t == 0) pickable = 0;
+    __syncthreads();
+    u32 mine = 0;
+    for (u32 c = t; c < n; c += blockDim.x) mine += top_k_key(a.scores[c]) != 0;
+    atomicAdd(&pickable, mine);
+    __syncthreads();
+    const u32 want = min(k, pickable);
+    u32 prefix = 0, mask = 0, need = want;
+    if (want > 0) {
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (u32 i = t; i < 256; i += blockDim.x) hist[i] = 0;
+            __syncthreads();
+            for (u32 c = t; c < n; c += blockDim.x) {
+                const u32 key = top_k_key(a.scores[c]);
+                if (key != 0 && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+            }
+            __syncthreads();
+            if (t == 0) {
+                // The digit holding the need-th largest key among those matching the prefix.
+                u32 above = 0, d = 255;
+                while (above + hist[d] < need) above += hist[d--];
+                digit = d;
+                left = need - above;
+            }
+            __syncthreads();
+            prefix |= digit << shift;
+            mask |= 255u << shift;
+            need = left;
+            __syncthreads();
+        }
     }
+    // Rows with a key above T, and the first `need` rows of key T, in row order; row 0 as well
+    // when fewer than k rows are pickable.
+    const bool fallback = pickable < k;
+    u32 written = 0, ties_seen = 0;
+    for (u32 base = 0; base < n; base += blockDim.x) {
+        const u32 c = base + t;
+        const u32 key = c < n ? top_k_key(a.scores[c]) : 0;
+        const bool tie = want > 0 && key != 0 && key == prefix;
+        u32 tie_total;
+        const u32 tie_rank = ties_seen + block_count_before(tie, &tie_total, counts);
+        const bool sel = (want > 0 && key != 0 && (key > prefix || (tie && tie_rank < need))) || (fallback && c == 0);
+        u32 total;
+        const u32 at = written + block_count_before(sel, &total, counts);
+        if (sel) a.out[at] = (int)c;
+        written += total;
+        ties_seen += tie_total;
+    }
+    for (u32 i = written + t; i < a.top_k; i += blockDim.x) a.out[i] = 0;
 }

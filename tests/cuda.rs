@@ -393,3 +393,11 @@ fn cuda_chunks_under_the_other_placements() {
     let want = common::token_by_token(&model, &cpu, tokens, 64);
     assert!((0..tokens.len()).all(|i| common::same_bits(&got[i], &want[i])));
 }
+
+/// The indexer's top-k on CUDA equals the CPU's pick on crafted scores: ties, NaN, -1e30,
+/// infinities, signed zeros, fewer pickable rows than k, more rows than one block's threads.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check runs it"]
+fn cuda_top_k_equals_the_cpu_on_crafted_scores() {
+    common::assert_top_k_equals_the_cpu(cuda(false).as_ref());
+}
