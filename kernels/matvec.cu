@@ -55,20 +55,23 @@ __device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, 
 // With `rows2` > 0 a second matrix of the same width (`w2`, `out2`) follows the first in the
 // same launch, reading the same input (both ungrouped): two ops, one launch.
 #if DS4_CHUNK_ROWS
-// The chunk build: a warp computes its matrix row for Q8_TOKEN_ROWS token rows of the chunk
-// (blockIdx.y picks which), loading each weight block once for all of them. Each token row's
+// The chunk build: a warp computes its matrix row for Q8_TOKEN_ROWS token rows of the chunk,
+// loading each weight block once for all of them. blockIdx.x picks the token rows and blockIdx.y
+// the matrix rows, so the blocks that read the same weights are scheduled side by side and all
+// but the first find them in L2 (with the token rows along y, each group of blocks streamed the
+// whole matrix from DRAM again). Each token row's
 // sum is the decode kernel's: per chunk a lane's one term from +0, the butterfly, chunk sums
 // added in order from +0. Rows past the chunk's tokens (and rows whose predicate is false) are
 // neither read nor written.
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
-    const u32 y0 = blockIdx.y * Q8_TOKEN_ROWS;
+    const u32 y0 = blockIdx.x * Q8_TOKEN_ROWS;
     u32 active = 0;
 #pragma unroll
     for (u32 t = 0; t < Q8_TOKEN_ROWS; t++)
         if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
     ds4_wait_predecessor();
     const u32 lane = threadIdx.x & 31;
-    const u32 rr = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const u32 rr = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const bool second = rr >= a.rows;
     const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
     if (!active || r >= rows) return;

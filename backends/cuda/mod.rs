@@ -1236,8 +1236,17 @@ mod imp {
             while i < plan.launches.len() {
                 let Some(k) = seq_of(&plan.launches[i]) else {
                     let l = &plan.launches[i];
-                    let ys = if l.kernel == Q8_MULTI_ROW_KERNEL { rows.div_ceil(token_rows) } else { rows };
-                    launches.push(resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(ys))?);
+                    let multi = l.kernel == Q8_MULTI_ROW_KERNEL;
+                    let ys = if multi { rows.div_ceil(token_rows) } else { rows };
+                    let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(ys))?;
+                    if multi {
+                        // Token-row groups along x, matrix-row blocks along y (kernels/matvec.cu).
+                        if r.grid > 65535 {
+                            return Err(err(format!("{}: {} blocks do not fit gridDim.y", r.kernel, r.grid)));
+                        }
+                        (r.grid, r.rows) = (r.rows, r.grid);
+                    }
+                    launches.push(r);
                     i += 1;
                     continue;
                 };
