@@ -35,8 +35,7 @@ extern "C" __global__ void qkv_finish(DS4_ARGS, QkvFinishArgs a) {
 // on an emit token (`emit_cond`), the pool, the RMS norm with weight, the RoPE of the row's tail
 // at its first position, the fp8 (quant 0) or Hadamard + FP4 (quant 1) round trip, the f16 store
 // as compressed row (pos+1)/ratio - 1, and for ratio 4 the window shift.
-extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
-    DS4_GUARD;
+__device__ __forceinline__ void compressor_update_row(const StepParams* P, const CompressorUpdateArgs& a) {
     const u32 width = a.width, ratio = a.ratio, hd = a.head_dim, pos = P->pos;
     const u32 pos_mod = pos % ratio;
     const u32 srow = ratio == 4 ? 4 + pos_mod : pos_mod;
@@ -72,6 +71,27 @@ extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
             a.state_score[i] = a.state_score[ns + i];
         }
     }
+}
+
+extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
+#if DS4_CHUNK_ROWS
+    // One launch for a chunk's whole row loop (the row count in cond bits 50..62): the rows in
+    // order in this block, each with its own step parameters and pointers; the barrier after a
+    // row makes its state writes visible to the next.
+    ds4_wait_predecessor();
+    const u32 n_rows = (u32)(cond >> 50) & 0x1fff;
+    for (u32 y = 0; y < n_rows; y++) {
+        if (ds4_cond(P + y, cond)) {
+            CompressorUpdateArgs ay = a;
+            ds4_row(ay, R, y);
+            compressor_update_row(P + y, ay);
+        }
+        __syncthreads();
+    }
+#else
+    DS4_GUARD;
+    compressor_update_row(P, a);
+#endif
 }
 
 // Lane sum of one 512-term chunk of an F16 row times x * scale (the RMS-normalized input, each

@@ -1257,6 +1257,17 @@ mod imp {
                 }
                 loops_seen.push(k);
                 let end = i + plan.launches[i..].iter().take_while(|l| seq_of(l) == Some(k)).count();
+                // A loop that is one `compressor_update` runs as one launch looping over the rows
+                // (kernels/fused.cu; the row count in cond bits 50..62).
+                if let [l] = &plan.launches[i..end] {
+                    if l.kernel == "compressor_update" && rows < 1 << 13 {
+                        let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
+                        r.cond |= (rows as u64) << 50;
+                        launches.push(r);
+                        i = end;
+                        continue;
+                    }
+                }
                 if let Some(l) = plan.launches[i..end].iter().find(|l| l.kernel == Q8_MULTI_ROW_KERNEL) {
                     return Err(err(format!("{} inside row loop {k}: its chunk build covers several rows", l.kernel)));
                 }
