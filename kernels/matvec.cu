@@ -104,6 +104,137 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     for (u32 t = 0; t < Q8_TOKEN_ROWS; t++)
         if ((active >> t) & 1) ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r] = total[t];
 }
+
+#if !DS4_NATIVE_BLOCKS
+// The chunk build's Q8_0 matrix product on tensor cores (split block layout only). A warp computes
+// 16 matrix rows for Q8_MMA_TOKENS token rows; each weight block is one k = 32 step of an int8
+// m16n8k32 MMA per 8 token rows, so the block's integer dot is exact, as __dp4a's is. A lane's
+// 8 bytes of a block (words 2 tq and 2 tq + 1) feed both A and B: the MMA's k order inside a block
+// does not change an integer sum. Each (row, token) then gets the decode kernel's float terms and
+// order: term (f16(d_w) * d_x) * isum added to +0, per 32-block chunk the butterfly's tree (fed
+// leaf by leaf in bit-reversed block order, so each level's pairs meet as in warp_sum), chunk sums
+// added in order from +0. Token rows past the chunk's tokens (or predicated off) read the first
+// active row's data and are not written.
+#ifndef Q8_MMA_TOKENS
+#define Q8_MMA_TOKENS 32
+#endif
+#define Q8_MMA_TILES (Q8_MMA_TOKENS / 8)
+static_assert(DS4_BLOCK_CHUNK == 32, "the bit-reversed leaf order is 5 bits");
+
+// D = A (16 x 32, rows r0 and r0 + 8 of this lane's quad) * B (32 x 8), no accumulator.
+__device__ __forceinline__ void mma_s8_m16n8k32(int* d, uint2 wa, uint2 wb, uint2 x) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(x.x), "r"(x.y), "r"(0));
+}
+
+__device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
+    return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
+}
+
+// Token row t of the tile, or the first active one when t is not active.
+__device__ __forceinline__ u32 mma_token(u32 active, u32 first, u32 t) { return ((active >> t) & 1) ? t : first; }
+
+extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ80Args a) {
+    const u32 y0 = blockIdx.x * Q8_MMA_TOKENS;
+    u32 active = 0;
+#pragma unroll
+    for (u32 t = 0; t < Q8_MMA_TOKENS; t++)
+        if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
+    ds4_wait_predecessor();
+    const u32 lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    const u32 rr = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 16;
+    const bool second = rr >= a.rows;
+    const u32 r0 = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
+    if (!active || r0 >= rows) return;
+    const u8* w = second ? a.w2 : a.w;
+    const u32 nb = a.in_dim / 32;
+    const u32 g = second ? 0 : r0 / a.rows_per_group;
+    const u32 first = __ffs(active) - 1;
+    const u8* wq_a = w + (u64)(r0 + gq) * nb * 32 + tq * 8;
+    const u8* wq_b = wq_a + (u64)8 * nb * 32;
+    const u16* ws_a = (const u16*)(w + (u64)rows * nb * 32) + (u64)(r0 + gq) * nb;
+    const u16* ws_b = ws_a + (u64)8 * nb;
+    const i8* xq[Q8_MMA_TILES];
+    const float* dx0[Q8_MMA_TILES];
+    const float* dx1[Q8_MMA_TILES];
+#pragma unroll
+    for (u32 j = 0; j < Q8_MMA_TILES; j++) {
+        const u64 yb = y0 + mma_token(active, first, 8 * j + gq);
+        const u64 yc0 = y0 + mma_token(active, first, 8 * j + 2 * tq);
+        const u64 yc1 = y0 + mma_token(active, first, 8 * j + 2 * tq + 1);
+        xq[j] = a.xq + yb * R.s[1] + (u64)g * a.in_dim + tq * 8;
+        dx0[j] = (const float*)((const u8*)a.xd + yc0 * R.s[2]) + (u64)g * nb;
+        dx1[j] = (const float*)((const u8*)a.xd + yc1 * R.s[2]) + (u64)g * nb;
+    }
+    // total[j][k]: k = 0, 1: row r0 + gq, tokens 8 j + 2 tq (+1); k = 2, 3: row r0 + gq + 8.
+    float total[Q8_MMA_TILES][4];
+#pragma unroll
+    for (u32 j = 0; j < Q8_MMA_TILES; j++)
+#pragma unroll
+        for (u32 k = 0; k < 4; k++) total[j][k] = 0.0f;
+    for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
+        float pend[5][Q8_MMA_TILES][4];
+#pragma unroll
+        for (u32 i = 0; i < DS4_BLOCK_CHUNK; i++) {
+            const u32 b = c + bit_reverse5(i);
+            float v[Q8_MMA_TILES][4];
+            if (b < nb) {
+                const uint2 qa = __ldg((const uint2*)(wq_a + (u64)b * 32));
+                const uint2 qb = __ldg((const uint2*)(wq_b + (u64)b * 32));
+                const float sa = h2f(__ldg(ws_a + b)), sb = h2f(__ldg(ws_b + b));
+#pragma unroll
+                for (u32 j = 0; j < Q8_MMA_TILES; j++) {
+                    int d[4];
+                    mma_s8_m16n8k32(d, qa, qb, *(const uint2*)(xq[j] + (u64)b * 32));
+                    const float d0 = dx0[j][b], d1 = dx1[j][b];
+                    v[j][0] = 0.0f + sa * d0 * (float)d[0];
+                    v[j][1] = 0.0f + sa * d1 * (float)d[1];
+                    v[j][2] = 0.0f + sb * d0 * (float)d[2];
+                    v[j][3] = 0.0f + sb * d1 * (float)d[3];
+                }
+            } else {
+#pragma unroll
+                for (u32 j = 0; j < Q8_MMA_TILES; j++)
+#pragma unroll
+                    for (u32 k = 0; k < 4; k++) v[j][k] = 0.0f;
+            }
+            // Leaf i of the bit-reversed order closes level l when bit l of i is set.
+#pragma unroll
+            for (u32 l = 0; l < 5; l++) {
+                if (!((i >> l) & 1)) {
+#pragma unroll
+                    for (u32 j = 0; j < Q8_MMA_TILES; j++)
+#pragma unroll
+                        for (u32 k = 0; k < 4; k++) pend[l][j][k] = v[j][k];
+                    break;
+                }
+#pragma unroll
+                for (u32 j = 0; j < Q8_MMA_TILES; j++)
+#pragma unroll
+                    for (u32 k = 0; k < 4; k++) v[j][k] = pend[l][j][k] + v[j][k];
+            }
+            if (i == DS4_BLOCK_CHUNK - 1) {
+#pragma unroll
+                for (u32 j = 0; j < Q8_MMA_TILES; j++)
+#pragma unroll
+                    for (u32 k = 0; k < 4; k++) total[j][k] += v[j][k];
+            }
+        }
+    }
+    float* out = second ? a.out2 : a.out;
+    const u32 out_stride = second ? R.s[5] : R.s[3];
+#pragma unroll
+    for (u32 j = 0; j < Q8_MMA_TILES; j++)
+#pragma unroll
+        for (u32 k = 0; k < 4; k++) {
+            const u32 t = 8 * j + 2 * tq + (k & 1);
+            if ((active >> t) & 1)
+                ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r0 + gq + (k >> 1) * 8] = total[j][k];
+        }
+}
+#endif
 #else
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;

@@ -142,6 +142,27 @@ mod imp {
         std::env::var("DS4_CUDA_TOKEN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(8u32).clamp(1, 32)
     }
 
+    /// The chunk build's tensor-core Q8_0 product (kernels/matvec.cu, split layout only): 16 matrix
+    /// rows per warp, 4 warps per block, `q8_mma_tokens` token rows per block.
+    const Q8_MMA_KERNEL: &str = "mat_mul_q8_0";
+    const Q8_MMA_ROWS_PER_BLOCK: u32 = 64;
+
+    /// Token rows per block of [`Q8_MMA_KERNEL`]: 8, 16 or 32 (`DS4_CUDA_MMA_TOKENS`, to measure).
+    fn q8_mma_tokens() -> u32 {
+        let n = std::env::var("DS4_CUDA_MMA_TOKENS").ok().and_then(|v| v.parse::<u32>().ok());
+        n.filter(|n| matches!(n, 8 | 16 | 32)).unwrap_or(32)
+    }
+
+    /// Parameter rows of a chunk of `rows`: a whole number of both Q8_0 kernels' token groups.
+    fn chunk_param_rows(rows: u32) -> u32 {
+        let (a, b) = (q8_token_rows(), q8_mma_tokens());
+        let (mut x, mut y) = (a, b);
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        rows.next_multiple_of(a / x * b)
+    }
+
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
     const SAMPLE_THREADS: u32 = 1024;
 
@@ -161,7 +182,9 @@ mod imp {
         let native = (layout == BlockLayout::Native) as u32;
         let chunk = (rows == KernelRows::Chunk) as u32;
         let token_rows = match rows {
-            KernelRows::Chunk => format!("#define Q8_TOKEN_ROWS {}\n", q8_token_rows()),
+            KernelRows::Chunk => {
+                format!("#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n", q8_token_rows(), q8_mma_tokens())
+            }
             KernelRows::One => String::new(),
         };
         let tuning: String = std::env::var("DS4_CUDA_DEFINES")
@@ -1226,10 +1249,10 @@ mod imp {
             };
             let steps = chunk.steps();
             let seq_of = |l: &plan::Launch| l.ops.iter().find_map(|&k| steps[k].seq);
-            // The chunk build's Q8_0 matvec covers `token_rows` rows per blockIdx.y; the parameter
+            // The chunk build's Q8_0 kernels cover several token rows per block; the parameter
             // rows are padded to a whole number of them (count 0: nothing runs).
             let token_rows = q8_token_rows();
-            let param_rows = rows.next_multiple_of(token_rows);
+            let param_rows = chunk_param_rows(rows);
             let mut launches = Vec::new();
             let mut loops_seen = Vec::new();
             let mut i = 0;
@@ -1237,6 +1260,25 @@ mod imp {
                 let Some(k) = seq_of(&plan.launches[i]) else {
                     let l = &plan.launches[i];
                     let multi = l.kernel == Q8_MULTI_ROW_KERNEL;
+                    if multi && self.layout == BlockLayout::Split {
+                        // The tensor-core product when every warp's 16 matrix rows lie in one matrix
+                        // and one group.
+                        let m: args::MatVecQ80Args = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&l.args));
+                        if [m.rows, m.rows2, m.rows_per_group].iter().all(|n| n % 16 == 0) {
+                            let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
+                            r.kernel = Q8_MMA_KERNEL;
+                            r.func = funcs.get(Q8_MMA_KERNEL)?;
+                            r.block = 32 * Q8_MMA_ROWS_PER_BLOCK / 16;
+                            r.grid = rows.div_ceil(q8_mma_tokens());
+                            r.rows = (m.rows + m.rows2).div_ceil(Q8_MMA_ROWS_PER_BLOCK);
+                            if r.rows > 65535 {
+                                return Err(err(format!("{}: {} blocks do not fit gridDim.y", r.kernel, r.rows)));
+                            }
+                            launches.push(r);
+                            i += 1;
+                            continue;
+                        }
+                    }
                     let ys = if multi { rows.div_ceil(token_rows) } else { rows };
                     let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(ys))?;
                     if multi {
@@ -1370,7 +1412,7 @@ mod imp {
             let ran = (|| {
                 c.program.check_chunk(p, tokens).map_err(err)?;
                 // Row r: token r at pos + r; rows past the tokens get count 0 and run nothing.
-                let words: Vec<u32> = (0..c.program.rows().next_multiple_of(q8_token_rows()))
+                let words: Vec<u32> = (0..chunk_param_rows(c.program.rows()))
                     .flat_map(|r| match tokens.get(r as usize) {
                         Some(&t) => [t, p.pos + r, 0, 1],
                         None => [0, p.pos + r, 0, 0],
