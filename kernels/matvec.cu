@@ -116,18 +116,10 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
 // added in order from +0. Token rows past the chunk's tokens (or predicated off) read the first
 // active row's data and are not written.
 #ifndef Q8_MMA_TOKENS
-#define Q8_MMA_TOKENS 32
+#define Q8_MMA_TOKENS 16
 #endif
 #define Q8_MMA_TILES (Q8_MMA_TOKENS / 8)
 static_assert(DS4_BLOCK_CHUNK == 32, "the bit-reversed leaf order is 5 bits");
-
-// D = A (16 x 32, rows r0 and r0 + 8 of this lane's quad) * B (32 x 8), no accumulator.
-__device__ __forceinline__ void mma_s8_m16n8k32(int* d, uint2 wa, uint2 wb, uint2 x) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(x.x), "r"(x.y), "r"(0));
-}
 
 __device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
     return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
@@ -136,38 +128,53 @@ __device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
 // Token row t of the tile, or the first active one when t is not active.
 __device__ __forceinline__ u32 mma_token(u32 active, u32 first, u32 t) { return ((active >> t) & 1) ? t : first; }
 
+#define Q8_MMA_WARPS 4
+// A token row's staged quants: 32 blocks of 32 bytes, then 32 bytes of padding so that the 8 token
+// rows of one fragment load fall in different banks.
+#define Q8_MMA_XS_ROW (32 * 32 + 32)
+// 1.5 * 2^23: an MMA started at this bit pattern returns 0x4B400000 + dot, which read as a float
+// is 1.5 * 2^23 + dot exactly (|dot| <= 32 * 128 * 127 < 2^22); subtracting 1.5 * 2^23 gives
+// (float)dot exactly with one add instead of a conversion.
+#define Q8_MMA_BIAS 0x4B400000
+#define Q8_MMA_BIAS_F 12582912.0f
+
+// D = bias + A (16 x 32: rows gq and gq + 8 of the warp's 16) * B (32 x 8: token column gq).
+__device__ __forceinline__ void mma_s8_m16n8k32(int* d, uint2 wa, uint2 wb, uint2 x) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(x.x), "r"(x.y), "r"(Q8_MMA_BIAS));
+}
+
+// A block of 4 warps covers 64 matrix rows (16 per warp) and Q8_MMA_TOKENS token rows. Per chunk
+// of 32 weight blocks, the block stages the token rows' quants and scales and its rows' weight
+// scales in shared memory (coalesced loads); the weight quants stream from global memory.
 extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ80Args a) {
+    __shared__ __align__(16) u8 xs[Q8_MMA_TOKENS * Q8_MMA_XS_ROW];
+    __shared__ float dxs[Q8_MMA_TOKENS][33];
+    __shared__ float wss[Q8_MMA_WARPS * 16][33];
     const u32 y0 = blockIdx.x * Q8_MMA_TOKENS;
     u32 active = 0;
 #pragma unroll
     for (u32 t = 0; t < Q8_MMA_TOKENS; t++)
         if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
     ds4_wait_predecessor();
-    const u32 lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    const u32 rr = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 16;
+    if (!active) return;
+    const u32 lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3, warp = threadIdx.x >> 5;
+    const u32 rr = (blockIdx.y * Q8_MMA_WARPS + warp) * 16;
     const bool second = rr >= a.rows;
     const u32 r0 = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
-    if (!active || r0 >= rows) return;
+    const bool live = r0 < rows;
     const u8* w = second ? a.w2 : a.w;
     const u32 nb = a.in_dim / 32;
-    const u32 g = second ? 0 : r0 / a.rows_per_group;
+    // The host gives a grouped matrix groups of a multiple of 64 rows (and no second matrix), so
+    // one group's input serves the whole block.
+    const u32 row0 = blockIdx.y * Q8_MMA_WARPS * 16;
+    const u32 g = row0 < a.rows ? row0 / a.rows_per_group : 0;
     const u32 first = __ffs(active) - 1;
     const u8* wq_a = w + (u64)(r0 + gq) * nb * 32 + tq * 8;
     const u8* wq_b = wq_a + (u64)8 * nb * 32;
-    const u16* ws_a = (const u16*)(w + (u64)rows * nb * 32) + (u64)(r0 + gq) * nb;
-    const u16* ws_b = ws_a + (u64)8 * nb;
-    const i8* xq[Q8_MMA_TILES];
-    const float* dx0[Q8_MMA_TILES];
-    const float* dx1[Q8_MMA_TILES];
-#pragma unroll
-    for (u32 j = 0; j < Q8_MMA_TILES; j++) {
-        const u64 yb = y0 + mma_token(active, first, 8 * j + gq);
-        const u64 yc0 = y0 + mma_token(active, first, 8 * j + 2 * tq);
-        const u64 yc1 = y0 + mma_token(active, first, 8 * j + 2 * tq + 1);
-        xq[j] = a.xq + yb * R.s[1] + (u64)g * a.in_dim + tq * 8;
-        dx0[j] = (const float*)((const u8*)a.xd + yc0 * R.s[2]) + (u64)g * nb;
-        dx1[j] = (const float*)((const u8*)a.xd + yc1 * R.s[2]) + (u64)g * nb;
-    }
+    const u16* ws = (const u16*)(w + (u64)rows * nb * 32) + (u64)r0 * nb;
     // total[j][k]: k = 0, 1: row r0 + gq, tokens 8 j + 2 tq (+1); k = 2, 3: row r0 + gq + 8.
     float total[Q8_MMA_TILES][4];
 #pragma unroll
@@ -175,24 +182,46 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
 #pragma unroll
         for (u32 k = 0; k < 4; k++) total[j][k] = 0.0f;
     for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
+        const u32 nblk = min((u32)DS4_BLOCK_CHUNK, nb - c);
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < Q8_MMA_TOKENS * 64; i += blockDim.x) {
+            const u32 t = i / 64, q = i % 64;
+            if (q < nblk * 2) {
+                const u64 y = y0 + mma_token(active, first, t);
+                const i8* x = a.xq + y * R.s[1] + (u64)g * a.in_dim + (u64)c * 32;
+                *(uint4*)(xs + t * Q8_MMA_XS_ROW + q * 16) = *(const uint4*)(x + q * 16);
+            }
+        }
+        for (u32 i = threadIdx.x; i < Q8_MMA_TOKENS * 32; i += blockDim.x) {
+            const u32 t = i / 32, k = i % 32;
+            if (k < nblk) {
+                const u64 y = y0 + mma_token(active, first, t);
+                dxs[t][k] = ((const float*)((const u8*)a.xd + y * R.s[2]))[(u64)g * nb + c + k];
+            }
+        }
+        if (live)
+            for (u32 r = 0; r < 16; r++)
+                if (lane < nblk) wss[warp * 16 + r][lane] = h2f(__ldg(ws + (u64)r * nb + c + lane));
+        __syncthreads();
+        if (!live) continue;
         float pend[5][Q8_MMA_TILES][4];
 #pragma unroll
         for (u32 i = 0; i < DS4_BLOCK_CHUNK; i++) {
-            const u32 b = c + bit_reverse5(i);
+            const u32 bi = bit_reverse5(i), b = c + bi;
             float v[Q8_MMA_TILES][4];
             if (b < nb) {
                 const uint2 qa = __ldg((const uint2*)(wq_a + (u64)b * 32));
                 const uint2 qb = __ldg((const uint2*)(wq_b + (u64)b * 32));
-                const float sa = h2f(__ldg(ws_a + b)), sb = h2f(__ldg(ws_b + b));
+                const float sa = wss[warp * 16 + gq][bi], sb = wss[warp * 16 + gq + 8][bi];
 #pragma unroll
                 for (u32 j = 0; j < Q8_MMA_TILES; j++) {
                     int d[4];
-                    mma_s8_m16n8k32(d, qa, qb, *(const uint2*)(xq[j] + (u64)b * 32));
-                    const float d0 = dx0[j][b], d1 = dx1[j][b];
-                    v[j][0] = 0.0f + sa * d0 * (float)d[0];
-                    v[j][1] = 0.0f + sa * d1 * (float)d[1];
-                    v[j][2] = 0.0f + sb * d0 * (float)d[2];
-                    v[j][3] = 0.0f + sb * d1 * (float)d[3];
+                    mma_s8_m16n8k32(d, qa, qb, *(const uint2*)(xs + (8 * j + gq) * Q8_MMA_XS_ROW + bi * 32 + tq * 8));
+                    const float d0 = dxs[8 * j + 2 * tq][bi], d1 = dxs[8 * j + 2 * tq + 1][bi];
+                    v[j][0] = 0.0f + sa * d0 * (__int_as_float(d[0]) - Q8_MMA_BIAS_F);
+                    v[j][1] = 0.0f + sa * d1 * (__int_as_float(d[1]) - Q8_MMA_BIAS_F);
+                    v[j][2] = 0.0f + sb * d0 * (__int_as_float(d[2]) - Q8_MMA_BIAS_F);
+                    v[j][3] = 0.0f + sb * d1 * (__int_as_float(d[3]) - Q8_MMA_BIAS_F);
                 }
             } else {
 #pragma unroll
@@ -223,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
             }
         }
     }
+    if (!live) return;
     float* out = second ? a.out2 : a.out;
     const u32 out_stride = second ? R.s[5] : R.s[3];
 #pragma unroll
