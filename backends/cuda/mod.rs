@@ -1417,7 +1417,7 @@ mod imp {
             let ran = (|| {
                 c.program.check_chunk(p, tokens).map_err(err)?;
                 // Row r: token r at pos + r; rows past the tokens get count 0 and run nothing.
-                let words: Vec<u32> = (0..chunk_param_rows(c.program.rows()))
+                let words: Vec<u32> = (0..(c.params.len() / 4) as u32)
                     .flat_map(|r| match tokens.get(r as usize) {
                         Some(&t) => [t, p.pos + r, 0, 1],
                         None => [0, p.pos + r, 0, 0],
