@@ -154,6 +154,12 @@ mod imp {
         n.filter(|n| matches!(n, 8 | 16 | 32)).unwrap_or(16)
     }
 
+    /// `DS4_CUDA_MMA_SPLIT=1`: [`Q8_MMA_KERNEL`]'s variant whose 4 warps share 16 matrix rows and
+    /// split the row's chunks (kernels/matvec.cu, `Q8_MMA_SPLIT_K`), to measure against the default.
+    fn q8_mma_split() -> bool {
+        std::env::var("DS4_CUDA_MMA_SPLIT").is_ok_and(|v| v == "1")
+    }
+
     /// Parameter rows of a chunk of `rows`: a whole number of both Q8_0 kernels' token groups.
     fn chunk_param_rows(rows: u32) -> u32 {
         let (a, b) = (q8_token_rows(), q8_mma_tokens());
@@ -184,7 +190,12 @@ mod imp {
         let chunk = (rows == KernelRows::Chunk) as u32;
         let token_rows = match rows {
             KernelRows::Chunk => {
-                format!("#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n", q8_token_rows(), q8_mma_tokens())
+                format!(
+                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define Q8_MMA_SPLIT_K {}\n",
+                    q8_token_rows(),
+                    q8_mma_tokens(),
+                    q8_mma_split() as u32
+                )
             }
             KernelRows::One => String::new(),
         };
@@ -1266,16 +1277,19 @@ mod imp {
                         // and every block's 64 in one group (it stages one group's input).
                         let m: args::MatVecQ80Args = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&l.args));
                         let grouped = m.rows_per_group != m.rows;
+                        let split = q8_mma_split();
+                        let per_block = if split { 16 } else { Q8_MMA_ROWS_PER_BLOCK };
                         let fits = m.rows.is_multiple_of(16)
                             && m.rows2.is_multiple_of(16)
-                            && (!grouped || (m.rows_per_group.is_multiple_of(Q8_MMA_ROWS_PER_BLOCK) && m.rows2 == 0));
+                            && (!grouped || (m.rows_per_group.is_multiple_of(per_block) && m.rows2 == 0))
+                            && (!split || m.in_dim <= 16 * 1024);
                         if fits {
                             let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
                             r.kernel = Q8_MMA_KERNEL;
                             r.func = funcs.get(Q8_MMA_KERNEL)?;
                             r.block = 32 * Q8_MMA_ROWS_PER_BLOCK / 16;
                             r.grid = rows.div_ceil(q8_mma_tokens());
-                            r.rows = (m.rows + m.rows2).div_ceil(Q8_MMA_ROWS_PER_BLOCK);
+                            r.rows = (m.rows + m.rows2).div_ceil(per_block);
                             if r.rows > 65535 {
                                 return Err(err(format!("{}: {} blocks do not fit gridDim.y", r.kernel, r.rows)));
                             }
