@@ -1275,7 +1275,8 @@ mod imp {
                     if multi && self.layout == BlockLayout::Split {
                         // The tensor-core product when every warp's 16 matrix rows lie in one matrix
                         // and every block's 64 in one group (it stages one group's input).
-                        let m: args::MatVecQ80Args = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&l.args));
+                        let m = bytemuck::try_pod_read_unaligned::<args::MatVecQ80Args>(bytemuck::cast_slice(&l.args))
+                            .map_err(|e| err(format!("{}: argument words: {e}", l.kernel)))?;
                         let grouped = m.rows_per_group != m.rows;
                         let split = q8_mma_split();
                         let per_block = if split { 16 } else { Q8_MMA_ROWS_PER_BLOCK };
@@ -1306,6 +1307,17 @@ mod imp {
                             return Err(err(format!("{}: {} blocks do not fit gridDim.y", r.kernel, r.grid)));
                         }
                         (r.grid, r.rows) = (r.rows, r.grid);
+                    }
+                    if r.kernel == "attention" {
+                        // To measure the chunk's attention with smaller blocks (the order of every sum
+                        // does not depend on the block; it needs head_dim threads at least).
+                        let a = bytemuck::try_pod_read_unaligned::<args::AttentionArgs>(bytemuck::cast_slice(&r.args));
+                        let t = std::env::var("DS4_CUDA_ATTN_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
+                        if let (Ok(a), Some(t)) = (a, t) {
+                            if t.is_multiple_of(32) && (a.head_dim..=1024).contains(&t) {
+                                r.block = t;
+                            }
+                        }
                     }
                     launches.push(r);
                     i += 1;
