@@ -129,9 +129,6 @@ __device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
 __device__ __forceinline__ u32 mma_token(u32 active, u32 first, u32 t) { return ((active >> t) & 1) ? t : first; }
 
 #define Q8_MMA_WARPS 4
-#ifndef Q8_MMA_SPLIT_K
-#define Q8_MMA_SPLIT_K 0
-#endif
 // A token row's staged quants: 32 blocks of 32 bytes, then 32 bytes of padding so that the 8 token
 // rows of one fragment load fall in different banks.
 #define Q8_MMA_XS_ROW (32 * 32 + 32)
@@ -149,110 +146,6 @@ __device__ __forceinline__ void mma_s8_m16n8k32(int* d, uint2 wa, uint2 wb, uint
         : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(x.x), "r"(x.y), "r"(Q8_MMA_BIAS));
 }
 
-#if Q8_MMA_SPLIT_K
-// Split over the row's chunks: a block's 4 warps share 16 matrix rows and Q8_MMA_TOKENS token rows;
-// warp w takes chunks w, w + 4, ... of 32 weight blocks (4x the warps of one warp per 16 rows, which
-// left ~8 warps per SM on a 4096-row matrix) and keeps each chunk's sum in shared memory; warp 0
-// then adds the chunk sums in order from +0. Fragments load straight from global memory.
-#define Q8_MMA_MAX_CHUNKS 16
-extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ80Args a) {
-    __shared__ float sums[Q8_MMA_MAX_CHUNKS][Q8_MMA_TILES * 4 * 32];
-    const u32 y0 = blockIdx.x * Q8_MMA_TOKENS;
-    u32 active = 0;
-#pragma unroll
-    for (u32 t = 0; t < Q8_MMA_TOKENS; t++)
-        if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
-    ds4_wait_predecessor();
-    const u32 lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3, warp = threadIdx.x >> 5;
-    const u32 rr = blockIdx.y * 16;
-    const bool second = rr >= a.rows;
-    const u32 r0 = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
-    if (!active || r0 >= rows) return;
-    const u8* w = second ? a.w2 : a.w;
-    const u32 nb = a.in_dim / 32;
-    const u32 g = second ? 0 : r0 / a.rows_per_group;
-    const u32 first = __ffs(active) - 1;
-    const u8* wq_a = w + (u64)(r0 + gq) * nb * 32 + tq * 8;
-    const u8* wq_b = wq_a + (u64)8 * nb * 32;
-    const u16* ws_a = (const u16*)(w + (u64)rows * nb * 32) + (u64)(r0 + gq) * nb;
-    const u16* ws_b = ws_a + (u64)8 * nb;
-    const i8* xq[Q8_MMA_TILES];
-    const float* dx0[Q8_MMA_TILES];
-    const float* dx1[Q8_MMA_TILES];
-#pragma unroll
-    for (u32 j = 0; j < Q8_MMA_TILES; j++) {
-        const u64 yb = y0 + mma_token(active, first, 8 * j + gq);
-        const u64 yc0 = y0 + mma_token(active, first, 8 * j + 2 * tq);
-        const u64 yc1 = y0 + mma_token(active, first, 8 * j + 2 * tq + 1);
-        xq[j] = a.xq + yb * R.s[1] + (u64)g * a.in_dim + tq * 8;
-        dx0[j] = (const float*)((const u8*)a.xd + yc0 * R.s[2]) + (u64)g * nb;
-        dx1[j] = (const float*)((const u8*)a.xd + yc1 * R.s[2]) + (u64)g * nb;
-    }
-    for (u32 c = warp * DS4_BLOCK_CHUNK; c < nb; c += Q8_MMA_WARPS * DS4_BLOCK_CHUNK) {
-        float pend[5][Q8_MMA_TILES][4];
-#pragma unroll
-        for (u32 i = 0; i < DS4_BLOCK_CHUNK; i++) {
-            const u32 b = c + bit_reverse5(i);
-            float v[Q8_MMA_TILES][4];
-            if (b < nb) {
-                const uint2 qa = __ldg((const uint2*)(wq_a + (u64)b * 32));
-                const uint2 qb = __ldg((const uint2*)(wq_b + (u64)b * 32));
-                const float sa = h2f(__ldg(ws_a + b)), sb = h2f(__ldg(ws_b + b));
-#pragma unroll
-                for (u32 j = 0; j < Q8_MMA_TILES; j++) {
-                    int d[4];
-                    mma_s8_m16n8k32(d, qa, qb, *(const uint2*)(xq[j] + (u64)b * 32));
-                    const float d0 = dx0[j][b], d1 = dx1[j][b];
-                    v[j][0] = 0.0f + sa * d0 * (__int_as_float(d[0]) - Q8_MMA_BIAS_F);
-                    v[j][1] = 0.0f + sa * d1 * (__int_as_float(d[1]) - Q8_MMA_BIAS_F);
-                    v[j][2] = 0.0f + sb * d0 * (__int_as_float(d[2]) - Q8_MMA_BIAS_F);
-                    v[j][3] = 0.0f + sb * d1 * (__int_as_float(d[3]) - Q8_MMA_BIAS_F);
-                }
-            } else {
-#pragma unroll
-                for (u32 j = 0; j < Q8_MMA_TILES; j++)
-#pragma unroll
-                    for (u32 k = 0; k < 4; k++) v[j][k] = 0.0f;
-            }
-#pragma unroll
-            for (u32 l = 0; l < 5; l++) {
-                if (!((i >> l) & 1)) {
-#pragma unroll
-                    for (u32 j = 0; j < Q8_MMA_TILES; j++)
-#pragma unroll
-                        for (u32 k = 0; k < 4; k++) pend[l][j][k] = v[j][k];
-                    break;
-                }
-#pragma unroll
-                for (u32 j = 0; j < Q8_MMA_TILES; j++)
-#pragma unroll
-                    for (u32 k = 0; k < 4; k++) v[j][k] = pend[l][j][k] + v[j][k];
-            }
-            if (i == DS4_BLOCK_CHUNK - 1) {
-#pragma unroll
-                for (u32 j = 0; j < Q8_MMA_TILES; j++)
-#pragma unroll
-                    for (u32 k = 0; k < 4; k++) sums[c / DS4_BLOCK_CHUNK][(j * 4 + k) * 32 + lane] = v[j][k];
-            }
-        }
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    float* out = second ? a.out2 : a.out;
-    const u32 out_stride = second ? R.s[5] : R.s[3];
-    const u32 n_chunks = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK;
-#pragma unroll
-    for (u32 j = 0; j < Q8_MMA_TILES; j++)
-#pragma unroll
-        for (u32 k = 0; k < 4; k++) {
-            float total = 0.0f;
-            for (u32 c = 0; c < n_chunks; c++) total += sums[c][(j * 4 + k) * 32 + lane];
-            const u32 t = 8 * j + 2 * tq + (k & 1);
-            if ((active >> t) & 1)
-                ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r0 + gq + (k >> 1) * 8] = total;
-        }
-}
-#else
 // A block of 4 warps covers 64 matrix rows (16 per warp) and Q8_MMA_TOKENS token rows. Per chunk
 // of 32 weight blocks, the block stages the token rows' quants and scales and its rows' weight
 // scales in shared memory (coalesced loads); the weight quants stream from global memory.
@@ -371,7 +264,6 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
                 ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r0 + gq + (k >> 1) * 8] = total[j][k];
         }
 }
-#endif
 #endif
 #else
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
