@@ -573,3 +573,216 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
     else if (a.down_ty == 10) moe_down_rows<10>(a, grid, r0, is_sh[warp], sm_sh[warp]);
     else moe_down_rows<12>(a, grid, r0, is_sh[warp], sm_sh[warp]);
 }
+
+#if DS4_CHUNK_ROWS
+// The chunk build runs the routed experts grouped by expert, as the CPU's `moe_experts_rows`
+// does: moe_route lists each expert's (row, slot) pairs, then a warp of gate/up or down takes its
+// weight rows of one expert for every pair that chose it, one pair after the other. The expert's
+// weights come from DRAM once per chunk (the pairs after the first find them in L1 or L2), not
+// once per row that chose it. Each pair gets the decode kernels' dots from the same device
+// functions, and moe_sum_slots adds a row's slots in slot order from +0 as moe_down_rows does.
+// The launches take no blockIdx.y: they find each row's pointers through ds4_row.
+
+// The pairs one routing block holds (plan.rs MOE_ROUTE_MAX_PAIRS); at most 1024 experts.
+#define MOE_ROUTE_MAX_PAIRS 8192
+
+// One block of 1024 threads writes `route`: counts[n_expert], starts[n_expert], then the pairs
+// p = row * n_used + slot grouped by expert, ascending within an expert. Rows whose predicate is
+// false (past the chunk's tokens) have none; expert ids are clamped as the decode kernels clamp
+// them. Counts are integers (exact in any order); the order of the pairs is fixed by the scan.
+extern "C" __global__ void __launch_bounds__(1024) moe_route(DS4_ARGS, MoeRouteArgs a) {
+    ds4_wait_predecessor();
+    __shared__ int ex[MOE_ROUTE_MAX_PAIRS];
+    __shared__ u32 count[1024], start[1024];
+    const u32 t = threadIdx.x, n_expert = a.n_expert, n_pairs = a.rows * a.n_used;
+    for (u32 e = t; e < n_expert; e += blockDim.x) count[e] = 0;
+    for (u32 p = t; p < n_pairs; p += blockDim.x) {
+        const u32 y = p / a.n_used;
+        int e = -1;
+        if (ds4_cond(P + y, cond)) {
+            MoeRouteArgs ay = a;
+            ds4_row(ay, R, y);
+            e = min(max(ay.selected[p % a.n_used], 0), (int)n_expert - 1);
+        }
+        ex[p] = e;
+    }
+    __syncthreads();
+    for (u32 p = t; p < n_pairs; p += blockDim.x)
+        if (ex[p] >= 0) atomicAdd(&count[ex[p]], 1u);
+    __syncthreads();
+    // Exclusive prefix sum of the counts by warp 0, lane l over a run of experts.
+    if (t < 32) {
+        const u32 per = (n_expert + 31) / 32, lo = min(t * per, n_expert), hi = min(lo + per, n_expert);
+        u32 sum = 0;
+        for (u32 e = lo; e < hi; e++) sum += count[e];
+        u32 incl = sum;
+        for (u32 o = 1; o < 32; o <<= 1) {
+            const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (t >= o) incl += v;
+        }
+        u32 at = incl - sum;
+        for (u32 e = lo; e < hi; e++) {
+            start[e] = at;
+            at += count[e];
+        }
+    }
+    __syncthreads();
+    u32* pairs = a.route + 2 * n_expert;
+    for (u32 e = t; e < n_expert; e += blockDim.x) {
+        const u32 n = count[e], s = start[e];
+        // Exactly n pairs name e: the scan stops at the last.
+        for (u32 q = 0, k = 0; k < n; q++)
+            if (ex[q] == (int)e) pairs[s + k++] = q;
+        a.route[e] = n;
+        a.route[n_expert + e] = s;
+    }
+}
+
+// Expert e's pairs: (count, the first of them).
+__device__ __forceinline__ u32 moe_route_pairs(const u32* route, u32 n_expert, u32 e, const u32** pairs) {
+    *pairs = route + 2 * n_expert + route[n_expert + e];
+    return route[e];
+}
+
+// The decode kernel's arguments as chunk row y sees them.
+__device__ __forceinline__ MoeGateUpArgs moe_gate_up_row_args(const MoeGateUpGroupedArgs& a, const RowStrides& R,
+                                                              u32 y) {
+    MoeGateUpGroupedArgs ay = a;
+    ds4_row(ay, R, y);
+    MoeGateUpArgs b;
+    b.xq = ay.xq;
+    b.selected = ay.selected;
+    b.weights = ay.weights;
+    b.gate = a.gate;
+    b.up = a.up;
+    b.mid = ay.mid;
+    b.grid = a.grid;
+    b.midq = 0;
+    b.tickets = 0;
+    b.gate_ty = a.gate_ty;
+    b.up_ty = a.gate_ty;
+    b.in_dim = a.in_dim;
+    b.ff = a.ff;
+    b.n_used = a.n_used;
+    b.n_expert = a.n_expert;
+    b.clamp = a.clamp;
+    b.ticket = 0;
+    return b;
+}
+
+// Warp w of expert e: mid rows 2w, 2w + 1 of every pair that chose e, each computed by
+// moe_gate_up_rows as the decode kernel's warp (slot, rows 2w, 2w + 1) of the pair's row does.
+template <u32 TY, int U>
+__device__ __forceinline__ void moe_gate_up_pairs(const MoeGateUpGroupedArgs& a, const RowStrides& R, const u64* grid,
+                                                  u32 e, u32 w, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i = 0; i < n; i++) {
+        const u32 p = pairs[i];
+        const MoeGateUpArgs b = moe_gate_up_row_args(a, R, p / a.n_used);
+        moe_gate_up_rows<TY, U>(b, grid, (p % a.n_used) * (a.ff / MOE_ROWS_PER_WARP) + w, is, sm);
+        __syncwarp();  // the next pair rewrites is and sm
+    }
+}
+
+// Blocks go (row block, expert): blockIdx.x = rb * n_expert + e, so the blocks of an expert that
+// many rows chose are spread over the launch instead of coming last. A block of an expert no row
+// chose leaves at once (the whole block: before any barrier).
+extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const u64* grid = iq2_grid(a.grid, a.gate_ty == 16);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
+    if (w >= a.ff / MOE_ROWS_PER_WARP) return;
+    if (a.gate_ty == 16) moe_gate_up_pairs<16, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    else if (a.gate_ty == 10) moe_gate_up_pairs<10, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    else moe_gate_up_pairs<12, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+}
+
+// IQ2_XXS alone, as moe_gate_up_iq2_xxs (fewer registers).
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_grouped_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const u64* grid = iq2_grid(a.grid, true);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
+    if (w >= a.ff / MOE_ROWS_PER_WARP) return;
+    moe_gate_up_pairs<16, MOE_GATE_UP_PASSES>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+}
+
+// Expert e's down rows r0, r0 + 1 for every pair that chose it, into parts[slot] of the pair's
+// row: two pairs at a time, as moe_down_rows takes two slots (the second pair loads the same
+// weight rows again, from L1). Each row's dot is row_total's over the same integer block sums.
+template <u32 TY>
+__device__ __forceinline__ void moe_down_pairs(const MoeDownGroupedArgs& a, const RowStrides& R, const u64* grid, u32 e,
+                                               u32 r0, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+    const u32 nb = a.ff / 256;
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i = 0; i < n; i += 2) {
+        ExpertRow rows[2 * MOE_ROWS_PER_WARP];
+        const BlockQ8K* ys[2];
+        float* parts[2];
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const u32 p = pairs[min(i + g, n - 1)], slot = p % a.n_used;
+            MoeDownGroupedArgs ay = a;
+            ds4_row(ay, R, p / a.n_used);
+            ys[g] = ay.midq + (u64)slot * nb;
+            parts[g] = ay.parts + (u64)slot * a.out_dim;
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const u32 r = r0 + k;
+                rows[g * MOE_ROWS_PER_WARP + k] =
+                    i + g < n && r < a.out_dim ? expert_row(a.down, TY, e, (u64)r * nb) : no_row();
+            }
+        }
+        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, grid, is, sm);
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            if (i + g >= n) break;
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const int j = g * MOE_ROWS_PER_WARP + k;
+                if (rows[j].qs) {
+                    const float t = row_total<TY>(rows[j].rest, ys[g], nb, is[j], sm[j], row_first_scales<TY>(rows[j], nb));
+                    if ((threadIdx.x & 31) == 0) parts[g][r0 + k] = t;
+                }
+            }
+        }
+        __syncwarp();  // the next pairs rewrite is and sm
+    }
+}
+
+extern "C" __global__ void moe_down_grouped(DS4_ARGS, MoeDownGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const u64* grid = iq2_grid(a.grid, a.down_ty == 16);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
+    if (r0 >= a.out_dim) return;
+    if (a.down_ty == 16) moe_down_pairs<16>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_pairs<10>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_pairs<12>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+}
+
+// out[r] = the row's slots' down rows added in slot order from +0, as moe_down_rows adds them.
+extern "C" __global__ void moe_sum_slots(DS4_ARGS, MoeSumSlotsArgs a) {
+    DS4_GUARD;
+    const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= a.out_dim) return;
+    float acc = 0.0f;
+    for (u32 s = 0; s < a.n_used; s++) acc += a.parts[(u64)s * a.out_dim + r];
+    a.out[r] = acc;
+}
+#endif
