@@ -577,11 +577,13 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 #if DS4_CHUNK_ROWS
 // The chunk build runs the routed experts grouped by expert, as the CPU's `moe_experts_rows`
 // does: moe_route lists each expert's (row, slot) pairs, then a warp of gate/up or down takes its
-// weight rows of one expert for every pair that chose it, one pair after the other. The expert's
-// weights come from DRAM once per chunk (the pairs after the first find them in L1 or L2), not
-// once per row that chose it. Each pair gets the decode kernels' dots from the same device
-// functions, and moe_sum_slots adds a row's slots in slot order from +0 as moe_down_rows does.
-// The launches take no blockIdx.y: they find each row's pointers through ds4_row.
+// weight rows of one expert for every pair that chose it. The expert's weights come from DRAM once
+// per chunk (the pairs after the first find them in L1 or L2), not once per row that chose it; the
+// IQ2_XXS gate/up also decodes each weight sub-block once for two pairs. Each pair gets the decode
+// kernels' integer block sums and their float order (row_total), and moe_sum_slots adds a row's
+// slots in slot order from +0 as moe_down_rows does. The launches take no blockIdx.y: they find
+// each row's pointers through ds4_row. scripts/moe-emulate checks them against the per-row
+// kernels on the host.
 
 // The pairs one routing block holds (plan.rs MOE_ROUTE_MAX_PAIRS); at most 1024 experts.
 #define MOE_ROUTE_MAX_PAIRS 8192
@@ -703,8 +705,149 @@ extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a)
     else moe_gate_up_pairs<12, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
 }
 
-// IQ2_XXS alone, as moe_gate_up_iq2_xxs (fewer registers).
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_grouped_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
+// Pairs that moe_gate_up_grouped_iq2_xxs decodes each weight sub-block once for, and the blocks
+// per SM its registers must allow: 2 pairs fit the 80 registers of 3 blocks (as
+// moe_gate_up_iq2_xxs) without spilling; 3 or more spill unless the blocks go down to 2.
+#ifndef MOE_PAIR_BATCH
+#define MOE_PAIR_BATCH 2
+#endif
+#ifndef MOE_PAIR_MIN_BLOCKS
+#define MOE_PAIR_MIN_BLOCKS 3
+#endif
+
+// An IQ2_XXS sub-block's 8 weight words with their signs applied, and its scale 2s + 1: the
+// weight half of iq2_xxs_sub, whose sum is sum_j dp4a(w[j], q8[j]) * scale for any activations.
+__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u64* grid, int* w) {
+#pragma unroll
+    for (int l = 0; l < 4; l++) {
+        const u64 g = grid[(aux0 >> (8 * l)) & 255];
+        u32 signs = (aux1 >> (7 * l)) & 127;
+        signs |= (u32)(__popc(signs) & 1) << 7;
+        const u32 slo = spread4(signs), shi = spread4(signs >> 4);
+        w[2 * l] = (int)(((u32)g ^ (slo * 0xffu)) + slo);
+        w[2 * l + 1] = (int)(((u32)(g >> 32) ^ (shi * 0xffu)) + shi);
+    }
+    return 2 * (int)(aux1 >> 28) + 1;
+}
+
+// row_total for IQ2_XXS rows of at most 32 blocks, from lane l's block sum `is` (block l).
+__device__ __forceinline__ float iq2_xxs_row_total(const u8* rest, const BlockQ8K* y, u32 nb, int is) {
+    const u32 lane = threadIdx.x & 31;
+    float total = 0.0f;
+    float acc = 0.0f;
+    if (lane < nb) acc += (h2f((u16)block_scales<16>(rest, lane)) * y[lane].d) * (float)is;
+    total += warp_sum(acc);
+    return 0.125f * total;
+}
+
+// Warp w of expert e, IQ2_XXS rows of at most 32 blocks: mid rows 2w, 2w + 1 of every pair that
+// chose e, MOE_PAIR_BATCH pairs at a time. The weight decode (grid lookups and signs: most of the
+// instructions of this instruction-bound kernel) is done once per batch: a lane decodes a
+// sub-block of each of the four rows and dots it with each pair's activations. The block sums are
+// moe_gate_up_rows' integers (exact in any order); lane l keeps block l's, and each row's dot adds
+// them as row_total does (one 32-block chunk: the lane's term from +0, the butterfly, times 1/8).
+__device__ __forceinline__ void moe_gate_up_pairs_iq2_xxs(const MoeGateUpGroupedArgs& a, const RowStrides& R,
+                                                          const u64* grid, u32 e, u32 w) {
+    constexpr int PB = MOE_PAIR_BATCH;
+    typedef Layout<16> Lay;
+    const u32 lane = threadIdx.x & 31, part = lane % Lay::L, nb = a.in_dim / 256, r0 = w * MOE_ROWS_PER_WARP;
+    // gate r0, up r0, gate r0 + 1, up r0 + 1, as moe_gate_up_rows orders them.
+    ExpertRow rows[2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+    for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+        rows[2 * k] = expert_row(a.gate, 16, e, (u64)(r0 + k) * nb);
+        rows[2 * k + 1] = expert_row(a.up, 16, e, (u64)(r0 + k) * nb);
+    }
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i0 = 0; i0 < n; i0 += PB) {
+        // Each pair's activations (a missing last pair repeats the one before, unused).
+        const BlockQ8K* ys[PB];
+#pragma unroll
+        for (int q = 0; q < PB; q++) {
+            MoeGateUpGroupedArgs ay = a;
+            ds4_row(ay, R, pairs[min(i0 + q, n - 1)] / a.n_used);
+            ys[q] = ay.xq;
+        }
+        int is[PB][2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+        for (int q = 0; q < PB; q++)
+#pragma unroll
+            for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) is[q][k] = 0;
+        for (u32 b0 = 0; b0 < nb; b0 += Lay::BPP) {
+            const u32 b = b0 + lane / Lay::L;
+            int4 wq[2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+            for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++)
+                wq[k] = b < nb ? load_quants16<Lay::QALIGN>(rows[k].qs + (u64)b * Lay::QS + 16 * part)
+                               : make_int4(0, 0, 0, 0);
+            int sum[PB][2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+            for (int q = 0; q < PB; q++)
+#pragma unroll
+                for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) sum[q][k] = 0;
+            // The lane's two sub-blocks (part_sums: 2 part and 2 part + 1).
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int4 x[PB][2];
+#pragma unroll
+                for (int q = 0; q < PB; q++) {
+                    x[q][0] = x[q][1] = make_int4(0, 0, 0, 0);
+                    if (i0 + q < n && b < nb) {
+                        const int4* s = (const int4*)(ys[q][b].qs + 64 * part + 32 * h);
+                        x[q][0] = s[0];
+                        x[q][1] = s[1];
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
+                    int wd[8];
+                    const int sc = iq2_xxs_sub_weights(h ? (u32)wq[k].z : (u32)wq[k].x,
+                                                       h ? (u32)wq[k].w : (u32)wq[k].y, grid, wd);
+#pragma unroll
+                    for (int q = 0; q < PB; q++) {
+                        const int xs[8] = {x[q][0].x, x[q][0].y, x[q][0].z, x[q][0].w,
+                                           x[q][1].x, x[q][1].y, x[q][1].z, x[q][1].w};
+                        int s = 0;
+#pragma unroll
+                        for (int j = 0; j < 8; j++) s = __dp4a(wd[j], xs[j], s);
+                        sum[q][k] += s * sc;
+                    }
+                }
+            }
+            // A block's sum from its L lanes; block b0 + j's then goes to lane b0 + j.
+#pragma unroll
+            for (int q = 0; q < PB; q++) {
+                if (i0 + q >= n) break;  // uniform: a batch short of pairs
+#pragma unroll
+                for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
+                    int v = sum[q][k];
+#pragma unroll
+                    for (u32 o = 1; o < Lay::L; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    v = __shfl_sync(0xffffffffu, v, ((lane - b0) * Lay::L) & 31);
+                    if (lane - b0 < Lay::BPP) is[q][k] = v;
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < PB; q++) {
+            if (i0 + q >= n) break;
+            const u32 p = pairs[i0 + q], slot = p % a.n_used;
+            MoeGateUpGroupedArgs ay = a;
+            ds4_row(ay, R, p / a.n_used);
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const float g = iq2_xxs_row_total(rows[2 * k].rest, ys[q], nb, is[q][2 * k]);
+                const float u = iq2_xxs_row_total(rows[2 * k + 1].rest, ys[q], nb, is[q][2 * k + 1]);
+                if (lane == 0) ay.mid[(u64)slot * a.ff + r0 + k] = swiglu_clamped(g, u, a.clamp) * ay.weights[slot];
+            }
+        }
+    }
+}
+
+// IQ2_XXS alone (the Flash experts): rows of at most 32 blocks decode each weight sub-block once
+// per batch of pairs; wider rows take moe_gate_up_pairs, a pair at a time.
+extern "C" __global__ void __launch_bounds__(256, MOE_PAIR_MIN_BLOCKS) moe_gate_up_grouped_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
     ds4_wait_predecessor();
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
@@ -714,7 +857,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_grouped_iq2_xxs
     const u32 warp = threadIdx.x >> 5;
     const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
     if (w >= a.ff / MOE_ROWS_PER_WARP) return;
-    moe_gate_up_pairs<16, MOE_GATE_UP_PASSES>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    if (a.in_dim <= 256 * DS4_BLOCK_CHUNK) moe_gate_up_pairs_iq2_xxs(a, R, grid, e, w);
+    else moe_gate_up_pairs<16, MOE_GATE_UP_PASSES>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
 }
 
 // Expert e's down rows r0, r0 + 1 for every pair that chose it, into parts[slot] of the pair's
