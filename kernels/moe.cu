@@ -573,3 +573,360 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
     else if (a.down_ty == 10) moe_down_rows<10>(a, grid, r0, is_sh[warp], sm_sh[warp]);
     else moe_down_rows<12>(a, grid, r0, is_sh[warp], sm_sh[warp]);
 }
+
+#if DS4_CHUNK_ROWS
+// The chunk build runs the routed experts grouped by expert, as the CPU's `moe_experts_rows`
+// does: moe_route lists each expert's (row, slot) pairs, then a warp of gate/up or down takes its
+// weight rows of one expert for every pair that chose it. The expert's weights come from DRAM once
+// per chunk (the pairs after the first find them in L1 or L2), not once per row that chose it; the
+// IQ2_XXS gate/up also decodes each weight sub-block once for two pairs. Each pair gets the decode
+// kernels' integer block sums and their float order (row_total), and moe_sum_slots adds a row's
+// slots in slot order from +0 as moe_down_rows does. The launches take no blockIdx.y: they find
+// each row's pointers through ds4_row. scripts/moe-emulate checks them against the per-row
+// kernels on the host.
+
+// The pairs one routing block holds (plan.rs MOE_ROUTE_MAX_PAIRS); at most 1024 experts.
+#define MOE_ROUTE_MAX_PAIRS 8192
+
+// One block of 1024 threads writes `route`: counts[n_expert], starts[n_expert], then the pairs
+// p = row * n_used + slot grouped by expert, ascending within an expert. Rows whose predicate is
+// false (past the chunk's tokens) have none; expert ids are clamped as the decode kernels clamp
+// them. Counts are integers (exact in any order); the order of the pairs is fixed by the scan.
+extern "C" __global__ void __launch_bounds__(1024) moe_route(DS4_ARGS, MoeRouteArgs a) {
+    ds4_wait_predecessor();
+    __shared__ int ex[MOE_ROUTE_MAX_PAIRS];
+    __shared__ u32 count[1024], start[1024];
+    const u32 t = threadIdx.x, n_expert = a.n_expert, n_pairs = a.rows * a.n_used;
+    for (u32 e = t; e < n_expert; e += blockDim.x) count[e] = 0;
+    for (u32 p = t; p < n_pairs; p += blockDim.x) {
+        const u32 y = p / a.n_used;
+        int e = -1;
+        if (ds4_cond(P + y, cond)) {
+            MoeRouteArgs ay = a;
+            ds4_row(ay, R, y);
+            e = min(max(ay.selected[p % a.n_used], 0), (int)n_expert - 1);
+        }
+        ex[p] = e;
+    }
+    __syncthreads();
+    for (u32 p = t; p < n_pairs; p += blockDim.x)
+        if (ex[p] >= 0) atomicAdd(&count[ex[p]], 1u);
+    __syncthreads();
+    // Exclusive prefix sum of the counts by warp 0, lane l over a run of experts.
+    if (t < 32) {
+        const u32 per = (n_expert + 31) / 32, lo = min(t * per, n_expert), hi = min(lo + per, n_expert);
+        u32 sum = 0;
+        for (u32 e = lo; e < hi; e++) sum += count[e];
+        u32 incl = sum;
+        for (u32 o = 1; o < 32; o <<= 1) {
+            const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (t >= o) incl += v;
+        }
+        u32 at = incl - sum;
+        for (u32 e = lo; e < hi; e++) {
+            start[e] = at;
+            at += count[e];
+        }
+    }
+    __syncthreads();
+    u32* pairs = a.route + 2 * n_expert;
+    for (u32 e = t; e < n_expert; e += blockDim.x) {
+        const u32 n = count[e], s = start[e];
+        // Exactly n pairs name e: the scan stops at the last.
+        for (u32 q = 0, k = 0; k < n; q++)
+            if (ex[q] == (int)e) pairs[s + k++] = q;
+        a.route[e] = n;
+        a.route[n_expert + e] = s;
+    }
+}
+
+// Expert e's pairs: (count, the first of them).
+__device__ __forceinline__ u32 moe_route_pairs(const u32* route, u32 n_expert, u32 e, const u32** pairs) {
+    *pairs = route + 2 * n_expert + route[n_expert + e];
+    return route[e];
+}
+
+// The decode kernel's arguments as chunk row y sees them.
+__device__ __forceinline__ MoeGateUpArgs moe_gate_up_row_args(const MoeGateUpGroupedArgs& a, const RowStrides& R,
+                                                              u32 y) {
+    MoeGateUpGroupedArgs ay = a;
+    ds4_row(ay, R, y);
+    MoeGateUpArgs b;
+    b.xq = ay.xq;
+    b.selected = ay.selected;
+    b.weights = ay.weights;
+    b.gate = a.gate;
+    b.up = a.up;
+    b.mid = ay.mid;
+    b.grid = a.grid;
+    b.midq = 0;
+    b.tickets = 0;
+    b.gate_ty = a.gate_ty;
+    b.up_ty = a.gate_ty;
+    b.in_dim = a.in_dim;
+    b.ff = a.ff;
+    b.n_used = a.n_used;
+    b.n_expert = a.n_expert;
+    b.clamp = a.clamp;
+    b.ticket = 0;
+    return b;
+}
+
+// Warp w of expert e: mid rows 2w, 2w + 1 of every pair that chose e, each computed by
+// moe_gate_up_rows as the decode kernel's warp (slot, rows 2w, 2w + 1) of the pair's row does.
+template <u32 TY, int U>
+__device__ __forceinline__ void moe_gate_up_pairs(const MoeGateUpGroupedArgs& a, const RowStrides& R, const u64* grid,
+                                                  u32 e, u32 w, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i = 0; i < n; i++) {
+        const u32 p = pairs[i];
+        const MoeGateUpArgs b = moe_gate_up_row_args(a, R, p / a.n_used);
+        moe_gate_up_rows<TY, U>(b, grid, (p % a.n_used) * (a.ff / MOE_ROWS_PER_WARP) + w, is, sm);
+        __syncwarp();  // the next pair rewrites is and sm
+    }
+}
+
+// Blocks go (row block, expert): blockIdx.x = rb * n_expert + e, so the blocks of an expert that
+// many rows chose are spread over the launch instead of coming last. A block of an expert no row
+// chose leaves at once (the whole block: before any barrier).
+extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const u64* grid = iq2_grid(a.grid, a.gate_ty == 16);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
+    if (w >= a.ff / MOE_ROWS_PER_WARP) return;
+    if (a.gate_ty == 16) moe_gate_up_pairs<16, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    else if (a.gate_ty == 10) moe_gate_up_pairs<10, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    else moe_gate_up_pairs<12, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+}
+
+// Pairs that moe_gate_up_grouped_iq2_xxs decodes each weight sub-block once for, and the blocks
+// per SM its registers must allow: 2 pairs fit the 80 registers of 3 blocks (as
+// moe_gate_up_iq2_xxs) without spilling; 3 or more spill unless the blocks go down to 2.
+#ifndef MOE_PAIR_BATCH
+#define MOE_PAIR_BATCH 2
+#endif
+#ifndef MOE_PAIR_MIN_BLOCKS
+#define MOE_PAIR_MIN_BLOCKS 3
+#endif
+
+// An IQ2_XXS sub-block's 8 weight words with their signs applied, and its scale 2s + 1: the
+// weight half of iq2_xxs_sub, whose sum is sum_j dp4a(w[j], q8[j]) * scale for any activations.
+__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u64* grid, int* w) {
+#pragma unroll
+    for (int l = 0; l < 4; l++) {
+        const u64 g = grid[(aux0 >> (8 * l)) & 255];
+        u32 signs = (aux1 >> (7 * l)) & 127;
+        signs |= (u32)(__popc(signs) & 1) << 7;
+        const u32 slo = spread4(signs), shi = spread4(signs >> 4);
+        w[2 * l] = (int)(((u32)g ^ (slo * 0xffu)) + slo);
+        w[2 * l + 1] = (int)(((u32)(g >> 32) ^ (shi * 0xffu)) + shi);
+    }
+    return 2 * (int)(aux1 >> 28) + 1;
+}
+
+// row_total for IQ2_XXS rows of at most 32 blocks, from lane l's block sum `is` (block l).
+__device__ __forceinline__ float iq2_xxs_row_total(const u8* rest, const BlockQ8K* y, u32 nb, int is) {
+    const u32 lane = threadIdx.x & 31;
+    float total = 0.0f;
+    float acc = 0.0f;
+    if (lane < nb) acc += (h2f((u16)block_scales<16>(rest, lane)) * y[lane].d) * (float)is;
+    total += warp_sum(acc);
+    return 0.125f * total;
+}
+
+// Warp w of expert e, IQ2_XXS rows of at most 32 blocks: mid rows 2w, 2w + 1 of every pair that
+// chose e, MOE_PAIR_BATCH pairs at a time. The weight decode (grid lookups and signs: most of the
+// instructions of this instruction-bound kernel) is done once per batch: a lane decodes a
+// sub-block of each of the four rows and dots it with each pair's activations. The block sums are
+// moe_gate_up_rows' integers (exact in any order); lane l keeps block l's, and each row's dot adds
+// them as row_total does (one 32-block chunk: the lane's term from +0, the butterfly, times 1/8).
+__device__ __forceinline__ void moe_gate_up_pairs_iq2_xxs(const MoeGateUpGroupedArgs& a, const RowStrides& R,
+                                                          const u64* grid, u32 e, u32 w) {
+    constexpr int PB = MOE_PAIR_BATCH;
+    typedef Layout<16> Lay;
+    const u32 lane = threadIdx.x & 31, part = lane % Lay::L, nb = a.in_dim / 256, r0 = w * MOE_ROWS_PER_WARP;
+    // gate r0, up r0, gate r0 + 1, up r0 + 1, as moe_gate_up_rows orders them.
+    ExpertRow rows[2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+    for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+        rows[2 * k] = expert_row(a.gate, 16, e, (u64)(r0 + k) * nb);
+        rows[2 * k + 1] = expert_row(a.up, 16, e, (u64)(r0 + k) * nb);
+    }
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i0 = 0; i0 < n; i0 += PB) {
+        // Each pair's activations (a missing last pair repeats the one before, unused).
+        const BlockQ8K* ys[PB];
+#pragma unroll
+        for (int q = 0; q < PB; q++) {
+            MoeGateUpGroupedArgs ay = a;
+            ds4_row(ay, R, pairs[min(i0 + q, n - 1)] / a.n_used);
+            ys[q] = ay.xq;
+        }
+        int is[PB][2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+        for (int q = 0; q < PB; q++)
+#pragma unroll
+            for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) is[q][k] = 0;
+        for (u32 b0 = 0; b0 < nb; b0 += Lay::BPP) {
+            const u32 b = b0 + lane / Lay::L;
+            int4 wq[2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+            for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++)
+                wq[k] = b < nb ? load_quants16<Lay::QALIGN>(rows[k].qs + (u64)b * Lay::QS + 16 * part)
+                               : make_int4(0, 0, 0, 0);
+            int sum[PB][2 * MOE_ROWS_PER_WARP];
+#pragma unroll
+            for (int q = 0; q < PB; q++)
+#pragma unroll
+                for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) sum[q][k] = 0;
+            // The lane's two sub-blocks (part_sums: 2 part and 2 part + 1).
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int4 x[PB][2];
+#pragma unroll
+                for (int q = 0; q < PB; q++) {
+                    x[q][0] = x[q][1] = make_int4(0, 0, 0, 0);
+                    if (i0 + q < n && b < nb) {
+                        const int4* s = (const int4*)(ys[q][b].qs + 64 * part + 32 * h);
+                        x[q][0] = s[0];
+                        x[q][1] = s[1];
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
+                    int wd[8];
+                    const int sc = iq2_xxs_sub_weights(h ? (u32)wq[k].z : (u32)wq[k].x,
+                                                       h ? (u32)wq[k].w : (u32)wq[k].y, grid, wd);
+#pragma unroll
+                    for (int q = 0; q < PB; q++) {
+                        const int xs[8] = {x[q][0].x, x[q][0].y, x[q][0].z, x[q][0].w,
+                                           x[q][1].x, x[q][1].y, x[q][1].z, x[q][1].w};
+                        int s = 0;
+#pragma unroll
+                        for (int j = 0; j < 8; j++) s = __dp4a(wd[j], xs[j], s);
+                        sum[q][k] += s * sc;
+                    }
+                }
+            }
+            // A block's sum from its L lanes; block b0 + j's then goes to lane b0 + j.
+#pragma unroll
+            for (int q = 0; q < PB; q++) {
+                if (i0 + q >= n) break;  // uniform: a batch short of pairs
+#pragma unroll
+                for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
+                    int v = sum[q][k];
+#pragma unroll
+                    for (u32 o = 1; o < Lay::L; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    v = __shfl_sync(0xffffffffu, v, ((lane - b0) * Lay::L) & 31);
+                    if (lane - b0 < Lay::BPP) is[q][k] = v;
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < PB; q++) {
+            if (i0 + q >= n) break;
+            const u32 p = pairs[i0 + q], slot = p % a.n_used;
+            MoeGateUpGroupedArgs ay = a;
+            ds4_row(ay, R, p / a.n_used);
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const float g = iq2_xxs_row_total(rows[2 * k].rest, ys[q], nb, is[q][2 * k]);
+                const float u = iq2_xxs_row_total(rows[2 * k + 1].rest, ys[q], nb, is[q][2 * k + 1]);
+                if (lane == 0) ay.mid[(u64)slot * a.ff + r0 + k] = swiglu_clamped(g, u, a.clamp) * ay.weights[slot];
+            }
+        }
+    }
+}
+
+// IQ2_XXS alone (the Flash experts): rows of at most 32 blocks decode each weight sub-block once
+// per batch of pairs; wider rows take moe_gate_up_pairs, a pair at a time.
+extern "C" __global__ void __launch_bounds__(256, MOE_PAIR_MIN_BLOCKS) moe_gate_up_grouped_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const u64* grid = iq2_grid(a.grid, true);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
+    if (w >= a.ff / MOE_ROWS_PER_WARP) return;
+    if (a.in_dim <= 256 * DS4_BLOCK_CHUNK) moe_gate_up_pairs_iq2_xxs(a, R, grid, e, w);
+    else moe_gate_up_pairs<16, MOE_GATE_UP_PASSES>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+}
+
+// Expert e's down rows r0, r0 + 1 for every pair that chose it, into parts[slot] of the pair's
+// row: two pairs at a time, as moe_down_rows takes two slots (the second pair loads the same
+// weight rows again, from L1). Each row's dot is row_total's over the same integer block sums.
+template <u32 TY>
+__device__ __forceinline__ void moe_down_pairs(const MoeDownGroupedArgs& a, const RowStrides& R, const u64* grid, u32 e,
+                                               u32 r0, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
+    const u32 nb = a.ff / 256;
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i = 0; i < n; i += 2) {
+        ExpertRow rows[2 * MOE_ROWS_PER_WARP];
+        const BlockQ8K* ys[2];
+        float* parts[2];
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const u32 p = pairs[min(i + g, n - 1)], slot = p % a.n_used;
+            MoeDownGroupedArgs ay = a;
+            ds4_row(ay, R, p / a.n_used);
+            ys[g] = ay.midq + (u64)slot * nb;
+            parts[g] = ay.parts + (u64)slot * a.out_dim;
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const u32 r = r0 + k;
+                rows[g * MOE_ROWS_PER_WARP + k] =
+                    i + g < n && r < a.out_dim ? expert_row(a.down, TY, e, (u64)r * nb) : no_row();
+            }
+        }
+        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, grid, is, sm);
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            if (i + g >= n) break;
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const int j = g * MOE_ROWS_PER_WARP + k;
+                if (rows[j].qs) {
+                    const float t = row_total<TY>(rows[j].rest, ys[g], nb, is[j], sm[j], row_first_scales<TY>(rows[j], nb));
+                    if ((threadIdx.x & 31) == 0) parts[g][r0 + k] = t;
+                }
+            }
+        }
+        __syncwarp();  // the next pairs rewrite is and sm
+    }
+}
+
+extern "C" __global__ void moe_down_grouped(DS4_ARGS, MoeDownGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    const u64* grid = iq2_grid(a.grid, a.down_ty == 16);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
+    if (r0 >= a.out_dim) return;
+    if (a.down_ty == 16) moe_down_pairs<16>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_pairs<10>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_pairs<12>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+}
+
+// out[r] = the row's slots' down rows added in slot order from +0, as moe_down_rows adds them.
+extern "C" __global__ void moe_sum_slots(DS4_ARGS, MoeSumSlotsArgs a) {
+    DS4_GUARD;
+    const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= a.out_dim) return;
+    float acc = 0.0f;
+    for (u32 s = 0; s < a.n_used; s++) acc += a.parts[(u64)s * a.out_dim + r];
+    a.out[r] = acc;
+}
+#endif

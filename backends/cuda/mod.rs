@@ -136,6 +136,12 @@ mod imp {
     /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
     const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
 
+    /// Kernels of the chunk build that cover all the chunk's rows in one launch without
+    /// `blockIdx.y`, finding each row's pointers through the strides (kernels/moe.cu: the routed
+    /// experts grouped by expert).
+    const ALL_ROWS_KERNELS: [&str; 4] =
+        ["moe_route", "moe_gate_up_grouped", "moe_gate_up_grouped_iq2_xxs", "moe_down_grouped"];
+
     /// Token rows a warp of the chunk build's Q8_0 matvec covers: each weight block is loaded once
     /// for this many rows. `DS4_CUDA_TOKEN_ROWS` (1 to 32) overrides the default 8, to measure.
     fn q8_token_rows() -> u32 {
@@ -570,7 +576,7 @@ mod imp {
         /// A decode program's launch: one token, no per-row anything.
         Decode,
         /// A chunk launch over `blockIdx.y` 0..n (each covering one token row, or several for
-        /// the chunk build's Q8_0 matvec).
+        /// the chunk build's Q8_0 matvec; n = 1 for `ALL_ROWS_KERNELS`, which cover every row).
         All(u32),
         /// This row alone.
         One(u32),
@@ -1285,7 +1291,13 @@ mod imp {
                             continue;
                         }
                     }
-                    let ys = if multi { rows.div_ceil(token_rows) } else { rows };
+                    let ys = if multi {
+                        rows.div_ceil(token_rows)
+                    } else if ALL_ROWS_KERNELS.contains(&l.kernel) {
+                        1
+                    } else {
+                        rows
+                    };
                     let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(ys))?;
                     if multi {
                         // Token-row groups along x, matrix-row blocks along y (kernels/matvec.cu).
@@ -1329,7 +1341,10 @@ mod imp {
                         continue;
                     }
                 }
-                if let Some(l) = plan.launches[i..end].iter().find(|l| l.kernel == Q8_MULTI_ROW_KERNEL) {
+                if let Some(l) = plan.launches[i..end]
+                    .iter()
+                    .find(|l| l.kernel == Q8_MULTI_ROW_KERNEL || ALL_ROWS_KERNELS.contains(&l.kernel))
+                {
                     return Err(err(format!("{} inside row loop {k}: its chunk build covers several rows", l.kernel)));
                 }
                 for r in 0..rows {

@@ -25,9 +25,14 @@ pub enum Scratch {
     Tickets,
     /// The HC streams' 512-chunk sums of squares, from hc_post to the next hc_pre.
     HcSumSq,
+    /// A chunk's routed experts grouped by expert (kernels/moe.cu moe_route): per expert its
+    /// count and first pair, then the (row, slot) pairs. Only row 0's copy is used.
+    MoeRoute,
+    /// A chunk row's down projection of each slot, before moe_sum_slots adds them.
+    MoeParts,
 }
 
-pub const SCRATCH_KINDS: [Scratch; 10] = [
+pub const SCRATCH_KINDS: [Scratch; 12] = [
     Scratch::Q8Qs,
     Scratch::Q8D,
     Scratch::Q8KX,
@@ -38,6 +43,8 @@ pub const SCRATCH_KINDS: [Scratch; 10] = [
     Scratch::Partial,
     Scratch::Tickets,
     Scratch::HcSumSq,
+    Scratch::MoeRoute,
+    Scratch::MoeParts,
 ];
 
 impl Scratch {
@@ -83,6 +90,11 @@ const Q8K_BLOCK_BYTES: usize = 304;
 const FUSE_NORM_Q8: bool = true;
 /// Warps per block of hc_pre (kernels/fused.cu HC_PRE_WARPS).
 const HC_PRE_WARPS: usize = 16;
+
+/// The (row, slot) pairs of a chunk that the grouped routed experts take (kernels/moe.cu
+/// MOE_ROUTE_MAX_PAIRS: the routing block holds them in shared memory), and the experts.
+const MOE_ROUTE_MAX_PAIRS: usize = 8192;
+const MOE_ROUTE_MAX_EXPERTS: u32 = 1024;
 
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
 const SPLIT_K_ROWS: usize = 2048;
@@ -210,6 +222,59 @@ impl<'a> Builder<'a> {
         // The plan kernel leaves (source, destination, bytes) jobs in the state. Enough 16-byte
         // loads in flight to keep the bus busy (two blocks per SM on an H200).
         self.launch(264, 256, ExpertCacheCopyArgs { state: Ptr::cache_state(layer) });
+    }
+
+    /// A chunk's routed experts grouped by expert (kernels/moe.cu, the chunk build): the routing
+    /// block lists each expert's (row, slot) pairs; gate/up and down read each chosen expert's
+    /// rows for all its pairs; the mid vectors are quantized per row; each row adds its slots.
+    /// Every grid is fixed (all experts), so the chunk's graph replays for any routing: the
+    /// blocks of an expert no row chose leave at once.
+    fn moe_experts_grouped(
+        &mut self,
+        gu: MoeGateUpGroupedArgs,
+        down: (WeightId, u32),
+        out: Buf,
+        out_dim: usize,
+        rows: usize,
+    ) {
+        let (down, down_ty) = down;
+        let (n_used, ff, n_expert) = (gu.n_used as usize, gu.ff as usize, gu.n_expert);
+        self.need(Scratch::MoeRoute, (2 * n_expert as usize + rows * n_used) * 4);
+        self.need(Scratch::MoeParts, n_used * out_dim * 4);
+        let route = MoeRouteArgs {
+            selected: gu.selected,
+            route: gu.route,
+            n_expert,
+            n_used: n_used as u32,
+            rows: rows as u32,
+            _pad: 0,
+        };
+        self.launch(1, 1024, route);
+        // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
+        self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
+        if gu.gate_ty == GgmlType::IQ2_XXS as u32 {
+            self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_grouped_iq2_xxs";
+        }
+        let q = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
+        self.launch((n_used * ff / 256) as u32, 256, q);
+        let d = MoeDownGroupedArgs {
+            midq: Scratch::Q8KMid.ptr(),
+            down: Ptr::expert_table(down),
+            parts: Scratch::MoeParts.ptr(),
+            grid: Ptr::GRID,
+            route: gu.route,
+            down_ty,
+            ff: gu.ff,
+            out_dim: out_dim as u32,
+            n_used: gu.n_used,
+            n_expert,
+            _pad: 0,
+        };
+        // A warp per two output rows of an expert, 8 warps a block.
+        self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
+        let s =
+            MoeSumSlotsArgs { parts: Scratch::MoeParts.ptr(), out: b(out), out_dim: out_dim as u32, n_used: gu.n_used };
+        self.launch(blocks(out_dim, 256), 256, s);
     }
 
     fn expert_type(&self, w: WeightId) -> Result<u32, String> {
@@ -1022,6 +1087,35 @@ impl<'a> Builder<'a> {
                 if self.expert_cache {
                     self.expert_cache_launches(selected, [gate, up, down], n_used as u32, n_expert);
                 }
+                // A chunk runs its rows grouped by expert when the routing block can hold the
+                // pairs and each slot's mid vector is whole Q8_K blocks; otherwise (a chunk of
+                // more than 8192 pairs) row by row as below, which gives the same bits.
+                let rows = self.program.rows() as usize;
+                if rows > 1
+                    && !self.expert_cache
+                    && ff.is_multiple_of(256)
+                    && n_expert <= MOE_ROUTE_MAX_EXPERTS
+                    && rows * n_used <= MOE_ROUTE_MAX_PAIRS
+                {
+                    let a = MoeGateUpGroupedArgs {
+                        xq: Scratch::Q8KX.ptr(),
+                        selected: b(selected),
+                        weights: b(weights),
+                        gate: Ptr::expert_table(gate),
+                        up: Ptr::expert_table(up),
+                        mid: Scratch::Mid.ptr(),
+                        grid: Ptr::GRID,
+                        route: Scratch::MoeRoute.ptr(),
+                        gate_ty,
+                        in_dim: in_dim as u32,
+                        ff: ff as u32,
+                        n_used: n_used as u32,
+                        n_expert,
+                        clamp,
+                    };
+                    self.moe_experts_grouped(a, (down, down_ty), out, out_dim, rows);
+                    return Ok(());
+                }
                 // The mid vector's Q8_K is made by the last block of each slot (a ticket per
                 // slot) when the slot is whole Q8_K blocks, so its rows are also whole blocks of
                 // 8 warps of 2 rows (the kernel's ff % 16 == 0).
@@ -1321,6 +1415,61 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A chunk program runs each MoE layer's routed experts grouped by expert: the routing block,
+    /// gate/up over every expert's blocks, the mid vectors' Q8_K per row, down over every
+    /// expert's blocks, then each row's slot sum; the decode program keeps its per-token kernels.
+    /// Past the routing block's pairs, a chunk falls back to the per-row kernels.
+    #[test]
+    fn chunk_plans_group_the_routed_experts_by_expert() {
+        const GROUPED: [&str; 5] =
+            ["moe_route", "moe_gate_up_grouped_iq2_xxs", "quantize_q8_k", "moe_down_grouped", "moe_sum_slots"];
+        for preset in [Preset::tiny(), Preset::small(), Preset::flash_4l()] {
+            let model = synth::device_model(&preset, 1).unwrap();
+            let (n_expert, n_used, ff, n_embd) =
+                (preset.n_expert as u32, preset.n_expert_used, preset.n_ff_exp, preset.n_embd);
+            let decode = record_token(&model, Caps { ctx: 256 }).unwrap();
+            for l in plan(&decode, true, false).unwrap().launches {
+                assert!(!GROUPED[..4].contains(&l.kernel) && l.kernel != "moe_sum_slots", "{}", l.kernel);
+            }
+            let rows = 64;
+            let chunk = crate::decode::record(&model, Caps { ctx: 256 }, rows, rows).unwrap();
+            let moe: Vec<usize> =
+                (0..chunk.steps().len()).filter(|&k| matches!(chunk.steps()[k].op, Op::MoeExperts { .. })).collect();
+            assert_eq!(moe.len(), preset.n_layer);
+            for fuse in [false, true] {
+                let p = plan(&chunk, fuse, false).unwrap();
+                for &m in &moe {
+                    let ls: Vec<&Launch> = p.launches.iter().filter(|l| l.ops.contains(&m)).collect();
+                    let kernels: Vec<&str> = ls.iter().map(|l| l.kernel).collect();
+                    // hc_pre quantizes the experts' input when it fuses; else a launch of its own.
+                    let at = kernels.len() - GROUPED.len();
+                    assert_eq!(kernels[at..], GROUPED, "{} fuse {fuse}: {kernels:?}", preset.name);
+                    let [route, gate_up, _, down, sum] = [at, at + 1, at + 2, at + 3, at + 4].map(|i| ls[i]);
+                    assert_eq!((route.grid, route.block), (1, 1024));
+                    assert_eq!(route.args[3] as u32, rows, "the routing block's row count");
+                    assert_eq!(gate_up.grid, n_expert * (ff / 16) as u32);
+                    assert_eq!(down.grid, n_expert * (n_embd.div_ceil(2).div_ceil(8)) as u32);
+                    assert_eq!(sum.grid, n_embd.div_ceil(256) as u32);
+                    // The three grouped launches read the routing block's list.
+                    let route_ref = Scratch::MoeRoute.ptr().0;
+                    assert_eq!(route.args[1], route_ref);
+                    assert_eq!(gate_up.args[7], route_ref);
+                    assert_eq!(down.args[4], route_ref);
+                }
+                let need = |k: Scratch| p.scratch.iter().find(|(s, _)| *s == k).map_or(0, |&(_, b)| b);
+                assert_eq!(need(Scratch::MoeRoute), (2 * n_expert as usize + rows as usize * n_used) * 4);
+                assert_eq!(need(Scratch::MoeParts), n_used * n_embd * 4);
+            }
+        }
+        // More pairs than the routing block holds: the per-row kernels.
+        let preset = Preset::small();
+        let model = synth::device_model(&preset, 1).unwrap();
+        let rows = (MOE_ROUTE_MAX_PAIRS / preset.n_expert_used + 1) as u32;
+        let chunk = crate::decode::record(&model, Caps { ctx: rows }, rows, rows).unwrap();
+        let kernels: Vec<&str> = plan(&chunk, true, false).unwrap().launches.iter().map(|l| l.kernel).collect();
+        assert!(kernels.contains(&"moe_down") && !kernels.contains(&"moe_route"));
     }
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.

@@ -1,0 +1,142 @@
+// A tiny CUDA emulator for checking kernels on the host: one block at a time, each thread a
+// cooperative fiber (ucontext); __syncwarp / __syncthreads / shuffles are barriers over the live
+// threads of the warp / block. Shared memory is `static` (one block runs at a time).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <ucontext.h>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct emu_dim3 {
+    unsigned x, y, z;
+};
+struct int4 {
+    int x, y, z, w;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+struct float4 {
+    float x, y, z, w;
+};
+struct int2 {
+    int x, y;
+};
+inline int4 make_int4(int a, int b, int c, int d) { return int4{a, b, c, d}; }
+inline int2 make_int2(int a, int b) { return int2{a, b}; }
+
+enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
+struct EmuFiber {
+    ucontext_t ctx;
+    emu_dim3 tid;
+    int state;
+    std::vector<char> stack;
+};
+struct EmuBlock {
+    std::vector<EmuFiber> f;
+    emu_dim3 bid, bdim, gdim;
+    ucontext_t sched;
+    unsigned long long xchg[32][32];
+    std::function<void()> body;
+};
+extern EmuFiber* emu_cur;
+extern EmuBlock* emu_blk;
+
+#define threadIdx (emu_cur->tid)
+#define blockIdx (emu_blk->bid)
+#define blockDim (emu_blk->bdim)
+#define gridDim (emu_blk->gdim)
+
+inline void emu_wait(int kind) {
+    emu_cur->state = kind;
+    swapcontext(&emu_cur->ctx, &emu_blk->sched);
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EMU_WARP); }
+inline void __syncthreads() { emu_wait(EMU_BLOCK); }
+inline void __threadfence() {}
+
+inline unsigned emu_lane() { return threadIdx.x & 31; }
+template <class T> T emu_shfl(T v, int src, bool keep) {
+    const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
+    unsigned long long bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    emu_blk->xchg[warp][lane] = bits;
+    __syncwarp();
+    T r = v;
+    if (!keep) memcpy(&r, &emu_blk->xchg[warp][src & 31], sizeof(T));
+    __syncwarp();
+    return r;
+}
+template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, (int)emu_lane() ^ o, false); }
+template <class T> T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src, false); }
+template <class T> T __shfl_up_sync(unsigned, T v, unsigned d) {
+    const int src = (int)emu_lane() - (int)d;
+    return emu_shfl(v, src, src < 0);
+}
+
+template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return *p; }
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline float __int_as_float(int x) {
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+inline float __uint_as_float(unsigned x) {
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned x;
+    memcpy(&x, &f, 4);
+    return x;
+}
+inline int __float_as_int(float f) {
+    int x;
+    memcpy(&x, &f, 4);
+    return x;
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned o = *p;
+    *p = o + v;
+    return o;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+
+// f16 <-> f32 as the PTX cvt instructions do (round to nearest even, subnormals kept).
+inline float emu_h2f(unsigned short h) {
+    const unsigned s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
+    float v;
+    if (e == 0) v = std::ldexp((float)m, -24);
+    else if (e == 31) v = m ? NAN : INFINITY;
+    else v = std::ldexp((float)(m | 1024), (int)e - 25);
+    return s ? -v : v;
+}
+inline unsigned short emu_f2h(float f) {
+    const _Float16 h = (_Float16)f;
+    unsigned short u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+
+// Runs `kernel` over a grid as CUDA would (blocks one after another).
+void emu_launch(emu_dim3 grid, unsigned block, const std::function<void()>& body);

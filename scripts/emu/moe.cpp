@@ -1,0 +1,282 @@
+// Runs a chunk's routed experts through the old per-row kernels (moe_gate_up[_iq2_xxs] with the
+// fused mid Q8_K, moe_down; launched over blockIdx.y as build_chunk did) and through the grouped
+// ones (moe_route, moe_gate_up_grouped[_iq2_xxs], quantize_q8_k per row, moe_down_grouped,
+// moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit.
+#include "emu.h"
+#include "kern.inc"
+#include <random>
+
+static std::mt19937_64 rng(12345);
+static u32 rnd() { return (u32)rng(); }
+static float frand(float lo, float hi) { return lo + (hi - lo) * (float)(rnd() >> 8) / 16777216.0f; }
+
+// `rows` rows of `bytes`, 256-aligned (as a chunk arena lays a per-row area out).
+struct RowBuf {
+    std::vector<unsigned char> mem;
+    u32 stride;
+    RowBuf(size_t bytes, u32 rows, unsigned char fill = 0xab) {
+        stride = (u32)((bytes + 255) / 256 * 256);
+        if (!stride) stride = 256;
+        mem.assign((size_t)stride * rows + 256, fill);
+    }
+    unsigned char* base() { return (unsigned char*)(((uintptr_t)mem.data() + 255) & ~(uintptr_t)255); }
+    template <class T> T* row(u32 y) { return (T*)(base() + (size_t)y * stride); }
+    u64 ptr() { return (u64)base(); }
+};
+
+static unsigned short rand_half() {
+    // Finite, normal, moderate: exponent 8..18 (2^-7 .. 2^3).
+    return (unsigned short)(((rnd() & 1) << 15) | ((8 + rnd() % 11) << 10) | (rnd() & 1023));
+}
+
+// One expert tensor: n_expert x rows x nb blocks of type ty, in the split or native layout, and
+// its table of (quants, rest) per expert.
+struct Experts {
+    std::vector<unsigned char> data;
+    std::vector<u64> table;
+    Experts(u32 ty, u32 n_expert, u32 rows, u32 nb, bool native) {
+        u32 bb = 0, at = 0, nq = 0;
+        if (!ds4_block_split(ty, &bb, &at, &nq)) abort();
+        const u64 blocks = (u64)rows * nb, per_expert = blocks * bb;
+        data.resize(per_expert * n_expert + 256);
+        for (auto& b : data) b = (unsigned char)rnd();
+        unsigned char* base = (unsigned char*)(((uintptr_t)data.data() + 255) & ~(uintptr_t)255);
+        // The f16 fields, at their place in the rest (split) or in GGUF's block (native).
+        const u32 rb = bb - nq;
+        for (u64 i = 0; i < blocks * n_expert; i++) {
+            unsigned char* rest = native ? base + i * bb : base + blocks * n_expert * nq + i * rb;
+            const u32 d_at = ty == 16 ? 0 : ty == 10 ? (native ? 80 : 16) : 0;
+            const u32 nh = ty == 16 ? 1 : 2;
+            for (u32 k = 0; k < nh; k++) {
+                const unsigned short h = rand_half();
+                memcpy(rest + d_at + 2 * k, &h, 2);
+            }
+        }
+        for (u32 e = 0; e < n_expert; e++) {
+            if (native) {
+                const u64 first = (u64)base + e * per_expert;
+                table.push_back(first + at);
+                table.push_back(first);
+            } else {
+                table.push_back((u64)base + e * blocks * nq);
+                table.push_back((u64)base + blocks * n_expert * nq + e * blocks * rb);
+            }
+        }
+    }
+};
+
+struct Config {
+    u32 gate_ty, down_ty, in_dim, ff, out_dim, n_expert, n_used, rows, active;
+};
+
+static u32 blocks_of(u32 n, u32 per) { return n ? (n + per - 1) / per : 1; }
+
+static int run(const Config& c, bool native) {
+    const u32 nbi = c.in_dim / 256, nbf = c.ff / 256;
+    Experts gate(c.gate_ty, c.n_expert, c.ff, nbi, native), up(c.gate_ty, c.n_expert, c.ff, nbi, native);
+    Experts down(c.down_ty, c.n_expert, c.out_dim, nbf, native);
+    std::vector<u64> grid(256);
+    const unsigned char gb[3] = {8, 25, 43};
+    for (auto& g : grid) {
+        g = 0;
+        for (int i = 0; i < 8; i++) g |= (u64)gb[rnd() % 3] << (8 * i);
+    }
+    // Step parameters: rows past `active` have count 0 (past the chunk's tokens).
+    std::vector<StepParams> P(c.rows);
+    for (u32 y = 0; y < c.rows; y++) P[y] = StepParams{rnd() % 1000, 100 + y, 0, y < c.active ? 1u : 0u};
+    const u64 cond = 1ull << 63;
+    RowBuf X(nbi * sizeof(BlockQ8K), c.rows, 0), SEL(c.n_used * 4, c.rows, 0), W(c.n_used * 4, c.rows, 0);
+    for (u32 y = 0; y < c.rows; y++) {
+        BlockQ8K* x = X.row<BlockQ8K>(y);
+        for (u32 b = 0; b < nbi; b++) {
+            for (int i = 0; i < 256; i++) x[b].qs[i] = (i8)(int)(rnd() % 255 - 127);
+            for (int j = 0; j < 16; j++) {
+                int s = 0;
+                for (int i = 0; i < 16; i++) s += x[b].qs[16 * j + i];
+                x[b].bsums[j] = (i16)s;
+            }
+            x[b].d = frand(1e-3f, 3e-2f);
+        }
+        int* sel = SEL.row<int>(y);
+        // Distinct experts per row (as the router picks), then a few edge cases.
+        for (u32 s = 0; s < c.n_used; s++) {
+            for (;;) {
+                int e = (int)(rnd() % c.n_expert);
+                bool dup = false;
+                for (u32 k = 0; k < s; k++) dup |= sel[k] == e;
+                if (!dup) {
+                    sel[s] = e;
+                    break;
+                }
+            }
+            W.row<float>(y)[s] = frand(0.05f, 1.0f);
+        }
+        if (y == 1) sel[0] = -5;                            // clamps to expert 0
+        if (y == 2) sel[c.n_used - 1] = (int)c.n_expert + 7;  // clamps to the last expert
+        if (y == 3 && c.n_used > 1) sel[1] = sel[0];        // one expert twice in a row
+        if (y >= c.active) sel[0] = 1 << 30;                // never read
+    }
+    const size_t mid_bytes = (size_t)c.n_used * c.ff * 4, midq_bytes = (size_t)c.n_used * nbf * sizeof(BlockQ8K);
+    RowBuf mid_old(mid_bytes, c.rows), midq_old(midq_bytes, c.rows), out_old(c.out_dim * 4, c.rows);
+    RowBuf mid_new(mid_bytes, c.rows), midq_new(midq_bytes, c.rows), out_new(c.out_dim * 4, c.rows);
+    RowBuf tickets(c.n_used * 4, c.rows, 0), route((2 * c.n_expert + c.rows * c.n_used) * 4, c.rows);
+    RowBuf parts((size_t)c.n_used * c.out_dim * 4, c.rows);
+    const float clamp = 7.0f;
+    const u64 G = (u64)grid.data(), TG = (u64)gate.table.data(), TU = (u64)up.table.data(),
+              TD = (u64)down.table.data();
+    auto strides = [](std::initializer_list<u32> s) {
+        RowStrides r{};
+        int i = 0;
+        for (u32 v : s) r.s[i++] = v;
+        return r;
+    };
+    auto P0 = P.data();
+
+    // Old: per row, over blockIdx.y.
+    {
+        MoeGateUpArgs a{};
+        a.xq = (const BlockQ8K*)X.ptr();
+        a.selected = (const int*)SEL.ptr();
+        a.weights = (const float*)W.ptr();
+        a.gate = (const u64*)TG;
+        a.up = (const u64*)TU;
+        a.mid = (float*)mid_old.ptr();
+        a.grid = (const u64*)G;
+        a.midq = (BlockQ8K*)midq_old.ptr();
+        a.tickets = (u32*)tickets.ptr();
+        a.gate_ty = a.up_ty = c.gate_ty;
+        a.in_dim = c.in_dim;
+        a.ff = c.ff;
+        a.n_used = c.n_used;
+        a.n_expert = c.n_expert;
+        a.clamp = clamp;
+        a.ticket = 0;
+        const RowStrides R = strides({X.stride, SEL.stride, W.stride, 0, 0, mid_old.stride, 0, midq_old.stride, tickets.stride});
+        emu_launch({blocks_of(c.n_used * c.ff / 2, 8), c.rows, 1}, 256, [&] {
+            if (c.gate_ty == 16) moe_gate_up_iq2_xxs(P0, cond, R, a);
+            else moe_gate_up(P0, cond, R, a);
+        });
+        MoeDownArgs d{};
+        d.midq = (const BlockQ8K*)midq_old.ptr();
+        d.selected = (const int*)SEL.ptr();
+        d.down = (const u64*)TD;
+        d.out = (float*)out_old.ptr();
+        d.grid = (const u64*)G;
+        d.down_ty = c.down_ty;
+        d.ff = c.ff;
+        d.out_dim = c.out_dim;
+        d.n_used = c.n_used;
+        d.n_expert = c.n_expert;
+        const RowStrides RD = strides({midq_old.stride, SEL.stride, 0, out_old.stride, 0});
+        emu_launch({blocks_of((c.out_dim + 1) / 2, 8), c.rows, 1}, 256, [&] { moe_down(P0, cond, RD, d); });
+    }
+    // New: grouped by expert.
+    {
+        MoeRouteArgs r{(const int*)SEL.ptr(), (u32*)route.ptr(), c.n_expert, c.n_used, c.rows, 0};
+        const RowStrides RR = strides({SEL.stride, route.stride});
+        emu_launch({1, 1, 1}, 1024, [&] { moe_route(P0, cond, RR, r); });
+        MoeGateUpGroupedArgs a{};
+        a.xq = (const BlockQ8K*)X.ptr();
+        a.selected = (const int*)SEL.ptr();
+        a.weights = (const float*)W.ptr();
+        a.gate = (const u64*)TG;
+        a.up = (const u64*)TU;
+        a.mid = (float*)mid_new.ptr();
+        a.grid = (const u64*)G;
+        a.route = (const u32*)route.ptr();
+        a.gate_ty = c.gate_ty;
+        a.in_dim = c.in_dim;
+        a.ff = c.ff;
+        a.n_used = c.n_used;
+        a.n_expert = c.n_expert;
+        a.clamp = clamp;
+        const RowStrides RG = strides({X.stride, SEL.stride, W.stride, 0, 0, mid_new.stride, 0, route.stride});
+        emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
+            if (c.gate_ty == 16) moe_gate_up_grouped_iq2_xxs(P0, cond, RG, a);
+            else moe_gate_up_grouped(P0, cond, RG, a);
+        });
+        QuantizeQ8KArgs q{(const float*)mid_new.ptr(), (BlockQ8K*)midq_new.ptr()};
+        const RowStrides RQ = strides({mid_new.stride, midq_new.stride});
+        emu_launch({c.n_used * c.ff / 256, c.rows, 1}, 256, [&] { quantize_q8_k(P0, cond, RQ, q); });
+        MoeDownGroupedArgs d{};
+        d.midq = (const BlockQ8K*)midq_new.ptr();
+        d.down = (const u64*)TD;
+        d.parts = (float*)parts.ptr();
+        d.grid = (const u64*)G;
+        d.route = (const u32*)route.ptr();
+        d.down_ty = c.down_ty;
+        d.ff = c.ff;
+        d.out_dim = c.out_dim;
+        d.n_used = c.n_used;
+        d.n_expert = c.n_expert;
+        const RowStrides RD = strides({midq_new.stride, 0, parts.stride, 0, route.stride});
+        emu_launch({c.n_expert * blocks_of((c.out_dim + 1) / 2, 8), 1, 1}, 256, [&] { moe_down_grouped(P0, cond, RD, d); });
+        MoeSumSlotsArgs s{(const float*)parts.ptr(), (float*)out_new.ptr(), c.out_dim, c.n_used};
+        const RowStrides RS = strides({parts.stride, out_new.stride});
+        emu_launch({blocks_of(c.out_dim, 256), c.rows, 1}, 256, [&] { moe_sum_slots(P0, cond, RS, s); });
+    }
+    // Compare.
+    int bad = 0;
+    u32 pairs = 0;
+    for (u32 e = 0; e < c.n_expert; e++) pairs += route.row<u32>(0)[e];
+    if (pairs != c.active * c.n_used) {
+        printf("  route holds %u pairs, want %u\n", pairs, c.active * c.n_used);
+        bad++;
+    }
+    u32 nonzero = 0;
+    for (u32 y = 0; y < c.rows; y++) {
+        const bool live = y < c.active;
+        if (live) {
+            if (memcmp(mid_old.row<char>(y), mid_new.row<char>(y), mid_bytes)) {
+                printf("  row %u: mid differs\n", y);
+                bad++;
+            }
+            for (u32 b = 0; b < c.n_used * nbf; b++) {
+                const BlockQ8K& o = midq_old.row<BlockQ8K>(y)[b];
+                const BlockQ8K& n = midq_new.row<BlockQ8K>(y)[b];
+                if (memcmp(o.qs, n.qs, 256) || memcmp(o.bsums, n.bsums, 32) || memcmp(&o.d, &n.d, 4)) {
+                    printf("  row %u: mid Q8_K block %u differs\n", y, b);
+                    bad++;
+                }
+            }
+        }
+        for (u32 r = 0; r < c.out_dim; r++) {
+            const float o = out_old.row<float>(y)[r], n = out_new.row<float>(y)[r];
+            u32 ob, nb_;
+            memcpy(&ob, &o, 4);
+            memcpy(&nb_, &n, 4);
+            if (ob != nb_) {
+                if (bad < 20) printf("  row %u out %u: %08x (%g) vs %08x (%g)\n", y, r, ob, o, nb_, n);
+                bad++;
+            }
+            if (!live && nb_ != 0xabababab) {
+                printf("  inactive row %u written\n", y);
+                bad++;
+            }
+            nonzero += live && std::isfinite(o) && o != 0.0f;
+        }
+    }
+    printf("gate %u down %u in %u ff %u out %u experts %u used %u rows %u/%u %s: %s (%u of %u outputs finite, nonzero)\n",
+           c.gate_ty, c.down_ty, c.in_dim, c.ff, c.out_dim, c.n_expert, c.n_used, c.active, c.rows,
+           native ? "native" : "split", bad ? "DIFFER" : "same bits", nonzero, c.active * c.out_dim);
+    return bad;
+}
+
+int main(int argc, char** argv) {
+    const bool native = DS4_NATIVE_BLOCKS;
+    int bad = 0;
+    const Config configs[] = {
+        {16, 10, 512, 256, 263, 8, 3, 8, 6},    // Flash's types, odd n_used and out_dim, 2 rows past the tokens
+        {16, 10, 256, 512, 256, 16, 4, 8, 8},   // all rows live
+        {10, 12, 512, 256, 200, 5, 2, 6, 5},    // Q2_K gate/up, Q4_K down
+        {12, 16, 256, 256, 130, 4, 3, 5, 3},    // Q4_K gate/up, IQ2_XXS down
+        {16, 10, 4096, 256, 64, 8, 6, 4, 4},    // Flash's input width: two passes per row
+        {16, 12, 8448, 256, 32, 4, 2, 3, 2},    // 33 blocks: two 32-block chunks per row
+        {16, 10, 512, 256, 64, 3, 2, 8, 7},     // 14 pairs on 3 experts: batches of pairs
+        {16, 10, 8448, 256, 32, 2, 2, 5, 5},    // 5 pairs an expert, two chunks per row
+    };
+    const int only = argc > 1 ? atoi(argv[1]) : -1;
+    for (int i = 0; i < (int)(sizeof(configs) / sizeof(configs[0])); i++)
+        if (only < 0 || only == i) bad += run(configs[i], native);
+    return bad ? 1 : 0;
+}
