@@ -1198,7 +1198,9 @@ mod imp {
         fn build_chunk(&mut self, chunk: Arc<Program>) -> Result<Chunk, BackendError> {
             let rows = chunk.rows();
             let state = chunk.state_binding(&self.program).map_err(err)?;
-            let plan = plan::plan(&chunk, true, false).map_err(err)?;
+            // Grouped experts only in the split layout: GGUF's own blocks (placement unified) were
+            // checked on the host emulator (scripts/moe-emulate) but not yet run on a GPU.
+            let plan = plan::plan_experts(&chunk, true, false, self.layout == BlockLayout::Split).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
             // Per-row buffers, then per-row scratch areas; state is the decode program's.
             let mut size = 0usize;

@@ -119,6 +119,8 @@ struct Builder<'a> {
     program: &'a Program,
     /// Whether runs of ops may share a launch (the graph's plan); off for op-by-op execution.
     fuse: bool,
+    /// Whether a chunk program's routed experts run grouped by expert.
+    group_experts: bool,
     /// Ops already computed by an earlier op's launch.
     done: Vec<bool>,
     launches: Vec<Launch>,
@@ -1093,6 +1095,7 @@ impl<'a> Builder<'a> {
                 // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row launches, to measure against.
                 let rows = self.program.rows() as usize;
                 if rows > 1
+                    && self.group_experts
                     && std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_err()
                     && !self.expert_cache
                     && ff.is_multiple_of(256)
@@ -1232,6 +1235,12 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 /// With `expert_cache`, each MoE layer first runs the expert cache's two launches (placement
 /// "host": routed experts in host memory, cached in device memory).
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
+    plan_experts(program, fuse, expert_cache, true)
+}
+
+/// [`plan`], choosing whether a chunk program runs its routed experts grouped by expert
+/// (`group_experts`) or row by row (the same bits).
+pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, group_experts: bool) -> Result<Plan, String> {
     if program.rows() > 1 && expert_cache {
         return Err("a chunk program cannot run with the expert cache (placement host)".into());
     }
@@ -1239,6 +1248,7 @@ pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, S
         program,
         fuse,
         expert_cache,
+        group_experts,
         moe_layers: 0,
         done: vec![false; program.steps().len()],
         group: Vec::new(),
