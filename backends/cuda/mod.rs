@@ -1200,7 +1200,9 @@ mod imp {
             let state = chunk.state_binding(&self.program).map_err(err)?;
             // Grouped experts only in the split layout: GGUF's own blocks (placement unified) were
             // checked on the host emulator (scripts/moe-emulate) but not yet run on a GPU.
-            let plan = plan::plan_experts(&chunk, true, false, self.layout == BlockLayout::Split).map_err(err)?;
+            // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row launches, to measure against.
+            let group_experts = self.layout == BlockLayout::Split && std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_err();
+            let plan = plan::plan_experts(&chunk, true, false, group_experts).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
             // Per-row buffers, then per-row scratch areas; state is the decode program's.
             let mut size = 0usize;

@@ -1092,11 +1092,9 @@ impl<'a> Builder<'a> {
                 // A chunk runs its rows grouped by expert when the routing block can hold the
                 // pairs and each slot's mid vector is whole Q8_K blocks; otherwise (a chunk of
                 // more than 8192 pairs) row by row as below, which gives the same bits.
-                // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row launches, to measure against.
                 let rows = self.program.rows() as usize;
                 if rows > 1
                     && self.group_experts
-                    && std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_err()
                     && !self.expert_cache
                     && ff.is_multiple_of(256)
                     && n_expert <= MOE_ROUTE_MAX_EXPERTS

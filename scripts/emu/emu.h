@@ -92,26 +92,17 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
-inline float __int_as_float(int x) {
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
+template <class To, class From>
+inline To bits_as(From v) {
+    static_assert(sizeof(To) == sizeof(From), "same size");
+    To t;
+    memcpy(&t, &v, sizeof t);
+    return t;
 }
-inline float __uint_as_float(unsigned x) {
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned x;
-    memcpy(&x, &f, 4);
-    return x;
-}
-inline int __float_as_int(float f) {
-    int x;
-    memcpy(&x, &f, 4);
-    return x;
-}
+inline float __int_as_float(int x) { return bits_as<float>(x); }
+inline float __uint_as_float(unsigned x) { return bits_as<float>(x); }
+inline unsigned __float_as_uint(float f) { return bits_as<unsigned>(f); }
+inline int __float_as_int(float f) { return bits_as<int>(f); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
     const unsigned o = *p;
     *p = o + v;
