@@ -131,7 +131,7 @@ mod imp {
     }
 
     /// Prompt tokens per prefill chunk by default: each batch launch covers this many rows.
-    const DEFAULT_PREFILL_CHUNK: usize = 64;
+    const DEFAULT_PREFILL_CHUNK: usize = 128;
 
     /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
     const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
@@ -1198,10 +1198,8 @@ mod imp {
         fn build_chunk(&mut self, chunk: Arc<Program>) -> Result<Chunk, BackendError> {
             let rows = chunk.rows();
             let state = chunk.state_binding(&self.program).map_err(err)?;
-            // Grouped experts only in the split layout: GGUF's own blocks (placement unified) were
-            // checked on the host emulator (scripts/moe-emulate) but not yet run on a GPU.
-            // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row launches, to measure against.
-            let group_experts = self.layout == BlockLayout::Split && std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_err();
+            // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row expert launches, to measure against.
+            let group_experts = std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_err();
             let plan = plan::plan_experts(&chunk, true, false, group_experts).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
             // Per-row buffers, then per-row scratch areas; state is the decode program's.
