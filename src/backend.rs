@@ -75,6 +75,12 @@ pub trait Executable {
     /// Runs one token eagerly, timing it piece by piece: (kernel or op name, microseconds)
     /// summed per name, slowest first. For `ds4 bench --profile`.
     fn profile(&mut self, params: &StepParams) -> Result<Vec<(String, f64)>, BackendError>;
+    /// Runs the attached chunk program on `tokens` (as [`Executable::step_chunk`]) eagerly, timing
+    /// it launch by launch like [`Executable::profile`]. For `ds4 bench --profile --prefill N`.
+    fn profile_chunk(&mut self, params: &StepParams, tokens: &[u32]) -> Result<Vec<(String, f64)>, BackendError> {
+        let _ = (params, tokens);
+        Err(BackendError::new("backend", "this backend does not time chunk programs"))
+    }
     /// Overwrites a buffer (f32 values; I32 buffers take them as integers). For diagnostics.
     fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError>;
     /// Samples the token that follows the last step on the device and returns only its id, where

@@ -1059,6 +1059,33 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         for (name, t) in prof.iter().take(12) {
             out!("  {name:36} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
         }
+        // One more prefill chunk where the prompt and decode left off (its rows' KV writes are the
+        // last thing this session does).
+        let (chunk, pos) = (session.prefill_chunk(), session.pos());
+        if a.prefill > 1 && chunk > 1 {
+            if pos + chunk > a.m.ctx {
+                out!("profile    no room for one more chunk of {chunk} at position {pos} in -c/--ctx {}", a.m.ctx);
+            } else {
+                let tokens = &prompt[..chunk.min(prompt.len())];
+                let params = ds4::recorder::StepParams::chunk(pos as u32, tokens.len() as u32);
+                let prof = match session.executable().profile_chunk(&params, tokens) {
+                    Ok(prof) => prof,
+                    Err(e) => {
+                        out!("profile    chunk not timed: {e}");
+                        return Ok(());
+                    }
+                };
+                let total: f64 = prof.iter().map(|(_, t)| t).sum();
+                out!(
+                    "profile    one chunk of {} rows at positions {pos}..{}, eager, {total:.1} us in total:",
+                    tokens.len(),
+                    pos + tokens.len()
+                );
+                for (name, t) in prof.iter().take(16) {
+                    out!("  {name:36} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
+                }
+            }
+        }
     }
     Ok(())
 }

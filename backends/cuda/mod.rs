@@ -372,6 +372,56 @@ mod imp {
     }
 
     /// A chunk's launches, in order, on one stream (the decode plan's side branches are not used).
+    /// The StepParams rows of a chunk: row r is token r at pos + r; rows past the tokens get
+    /// count 0 and run nothing.
+    fn chunk_words(c: &Chunk, p: &StepParams, tokens: &[u32]) -> Vec<u32> {
+        (0..(c.params.len() / 4) as u32)
+            .flat_map(|r| match tokens.get(r as usize) {
+                Some(&t) => [t, p.pos + r, 0, 1],
+                None => [0, p.pos + r, 0, 0],
+            })
+            .collect()
+    }
+
+    /// Runs `launches` eagerly with an event after each: (kernel, or a fused launch's kernel and
+    /// ops, microseconds) summed per name, slowest first. For `ds4 bench --profile`.
+    fn time_launches(
+        stream: &CudaStream,
+        launches: &[Resolved],
+        params: u64,
+        pdl: bool,
+        program: &Program,
+    ) -> Result<Vec<(String, f64)>, BackendError> {
+        let ctx = stream.context().clone();
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut marks = Vec::with_capacity(launches.len());
+        let first = ctx.new_event(timing).map_err(drv("cannot create an event"))?;
+        first.record(stream).map_err(drv("cannot record an event"))?;
+        for l in launches {
+            l.launch(stream, params, pdl).map_err(drv("kernel launch failed"))?;
+            let e = ctx.new_event(timing).map_err(drv("cannot create an event"))?;
+            e.record(stream).map_err(drv("cannot record an event"))?;
+            marks.push(e);
+        }
+        stream.synchronize().map_err(drv("the timed launches failed"))?;
+        let steps = program.steps();
+        let mut times = Vec::with_capacity(marks.len());
+        let mut prev = &first;
+        for (l, e) in launches.iter().zip(&marks) {
+            let ms = prev.elapsed_ms(e).map_err(drv("cannot read an event"))?;
+            let label = match l.ops.len() {
+                1 => l.kernel.to_string(),
+                _ => {
+                    let names: Vec<&str> = l.ops.iter().map(|&k| steps[k].op.name()).collect();
+                    format!("{} [{}]", l.kernel, names.join(" + "))
+                }
+            };
+            times.push((label, ms as f64 * 1e3));
+            prev = e;
+        }
+        Ok(crate::backend::summarize_profile(times))
+    }
+
     fn launch_chunk(stream: &CudaStream, c: &Chunk, pdl: bool) -> Result<(), result::DriverError> {
         let p = c.params.device_ptr(stream).0;
         c.launches.iter().try_for_each(|l| l.launch(stream, p, pdl))
@@ -1138,10 +1188,6 @@ mod imp {
             Ok(())
         }
 
-        fn launch_one(&self, i: usize) -> Result<(), result::DriverError> {
-            self.launch_resolved(&self.launches[i])
-        }
-
         fn launch_resolved(&self, l: &Resolved) -> Result<(), result::DriverError> {
             l.launch(&self.stream, self.params.device_ptr(&self.stream).0, self.pdl)
         }
@@ -1447,14 +1493,9 @@ mod imp {
             let mut c = self.chunk.take().ok_or_else(|| err("no chunk program is attached"))?;
             let ran = (|| {
                 c.program.check_chunk(p, tokens).map_err(err)?;
-                // Row r: token r at pos + r; rows past the tokens get count 0 and run nothing.
-                let words: Vec<u32> = (0..(c.params.len() / 4) as u32)
-                    .flat_map(|r| match tokens.get(r as usize) {
-                        Some(&t) => [t, p.pos + r, 0, 1],
-                        None => [0, p.pos + r, 0, 0],
-                    })
-                    .collect();
-                self.stream.memcpy_htod(&words, &mut c.params).map_err(drv("cannot write the step parameters"))?;
+                self.stream
+                    .memcpy_htod(&chunk_words(&c, p, tokens), &mut c.params)
+                    .map_err(drv("cannot write the step parameters"))?;
                 self.run_chunk(&mut c)?;
                 c.count = tokens.len();
                 // The decode program's logits: the chunk's last token's, as if it had been stepped.
@@ -1502,35 +1543,23 @@ mod imp {
             self.program.check_params(p).map_err(err)?;
             let words = [p.token, p.pos, 0, 1];
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
-            let ctx = self.stream.context().clone();
-            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let mut marks = Vec::with_capacity(self.launches.len() + 1);
-            let first = ctx.new_event(timing).map_err(drv("cannot create an event"))?;
-            first.record(&self.stream).map_err(drv("cannot record an event"))?;
-            for i in 0..self.launches.len() {
-                self.launch_one(i).map_err(drv("kernel launch failed"))?;
-                let e = ctx.new_event(timing).map_err(drv("cannot create an event"))?;
-                e.record(&self.stream).map_err(drv("cannot record an event"))?;
-                marks.push(e);
-            }
-            self.stream.synchronize().map_err(drv("token failed"))?;
-            let mut times = Vec::with_capacity(marks.len());
-            let mut prev = &first;
-            let steps = self.program.steps();
-            for (l, e) in self.launches.iter().zip(&marks) {
-                let ms = prev.elapsed_ms(e).map_err(drv("cannot read an event"))?;
-                // A fused launch is named with the ops it computes.
-                let label = match l.ops.len() {
-                    1 => l.kernel.to_string(),
-                    _ => {
-                        let names: Vec<&str> = l.ops.iter().map(|&k| steps[k].op.name()).collect();
-                        format!("{} [{}]", l.kernel, names.join(" + "))
-                    }
-                };
-                times.push((label, ms as f64 * 1e3));
-                prev = e;
-            }
-            Ok(crate::backend::summarize_profile(times))
+            let params = self.params.device_ptr(&self.stream).0;
+            time_launches(&self.stream, &self.launches, params, self.pdl, &self.program)
+        }
+
+        fn profile_chunk(&mut self, p: &StepParams, tokens: &[u32]) -> Result<Vec<(String, f64)>, BackendError> {
+            let mut c = self.chunk.take().ok_or_else(|| err("no chunk program is attached"))?;
+            let ran = (|| {
+                c.program.check_chunk(p, tokens).map_err(err)?;
+                self.stream
+                    .memcpy_htod(&chunk_words(&c, p, tokens), &mut c.params)
+                    .map_err(drv("cannot write the step parameters"))?;
+                c.count = tokens.len();
+                let params = c.params.device_ptr(&self.stream).0;
+                time_launches(&self.stream, &c.launches, params, self.pdl, &c.program)
+            })();
+            self.chunk = Some(c);
+            ran
         }
 
         fn sample(&mut self, s: &DeviceSample) -> Result<Option<u32>, BackendError> {
