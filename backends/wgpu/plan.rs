@@ -407,8 +407,11 @@ impl Builder<'_> {
         self.absorb(j2);
         let wv = self.vector(nw)?;
         // As rms_norm plans a row that is not its own output: slices of NORM_SLICE, each
-        // writing the quantizations that later matvecs and experts read.
-        let slices = n / NORM_SLICE;
+        // writing the quantizations that later matvecs and experts read. Each slice's workgroup
+        // sums the whole weighted sum itself: on adapters that run on CPU cores (`rows`), where
+        // that is no longer parallel, one workgroup takes the whole row.
+        let per = if self.rows { n } else { NORM_SLICE };
+        let slices = n / per;
         let q8 = self.q8_read_later(out);
         let xq = if q8 { self.q8_scratch(out) } else { Res::DummyOut };
         let q8k = self.moe_reads_later(out);
@@ -432,21 +435,8 @@ impl Builder<'_> {
             (13, Res::Buf(split)),
             (14, Res::Buf(cur)),
         ];
-        let args = vec![
-            n,
-            eps.to_bits(),
-            1,
-            slices,
-            NORM_SLICE,
-            slices,
-            q8 as u32,
-            q8k as u32,
-            0,
-            0,
-            n_hc,
-            iters,
-            eps_hc.to_bits(),
-        ];
+        let args =
+            vec![n, eps.to_bits(), 1, slices, per, slices, q8 as u32, q8k as u32, 0, 0, n_hc, iters, eps_hc.to_bits()];
         if q8 {
             self.q8_of.push((out, self.cond));
         }
