@@ -38,77 +38,15 @@ fn embed_hc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     }
 }
 
-// The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n. Two
-// buffers of 64, used in turn (`cm_at`: the one the last `share` wrote).
-var<workgroup> cm: array<f32, 128>;
-var<private> cm_at: u32;
-// The split [pre | post | comb] once Sinkhorn is done (n_hc at most 8: 2n + n*n <= 80 values).
-var<workgroup> sp: array<f32, 80>;
-
-// Element k of the combine matrix after every live invocation wrote its own, in the buffer the
-// previous call did not write: every read of that buffer came before the previous call's
-// barrier, so one barrier (between the write and the reads) is enough.
-fn share(k: u32, v: f32, live: bool) {
-    cm_at = 64u - cm_at;
-    if (live) {
-        cm[cm_at + k] = v;
-    }
-    workgroupBarrier();
+// The Sinkhorn's inputs (sinkhorn.wgsl): mix (B0), scale (V0), base (V1).
+fn sk_mix(i: u32) -> f32 {
+    return B0[i];
 }
-
-// The split = [pre | post | comb] into `sp`, from mix (B0), scale (V0) and base (V1): sigmoid
-// gates, then a softmax per dst row and Sinkhorn normalization. Invocation k < n*n holds element
-// k = src + dst*n; each row or column sum reads its n elements from workgroup memory and adds
-// them in the serial reference's order (src, or dst, ascending), so every invocation computes
-// exactly what the serial CPU reference does (kernels/hc.cu does the same on the lanes of a
-// warp). Workgroups of at least 64; every invocation reaches every barrier.
-fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
-    if (lid < n) {
-        sp[lid] = fadd(fdiv(1.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[0]), V1[lid])))), eps);
-    } else if (lid < 2u * n) {
-        sp[lid] = fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(B0[lid], V0[1]), V1[lid]))));
-    }
-    let live = lid < n * n;
-    let k = min(lid, n * n - 1u);
-    let src = k % n;
-    let dst = k / n;
-    let row = dst * n;
-    // Softmax over src for each dst row, then + eps.
-    var c = fadd(fmul(B0[2u * n + k], V0[2]), V1[2u * n + k]);
-    share(lid, c, live);
-    var mx = -1.0e30;
-    for (var s = 0u; s < n; s = s + 1u) {
-        mx = max(mx, cm[cm_at + row + s]);
-    }
-    c = ds4_exp(fsub(c, mx));
-    share(lid, c, live);
-    var sum = zero();
-    for (var s = 0u; s < n; s = s + 1u) {
-        sum = fadd(sum, cm[cm_at + row + s]);
-    }
-    c = fadd(fmul(c, fdiv(1.0, sum)), eps);
-    for (var it = 0u; it < iters; it = it + 1u) {
-        if (it > 0u) {
-            // This dst row, over src.
-            share(lid, c, live);
-            var t = zero();
-            for (var s = 0u; s < n; s = s + 1u) {
-                t = fadd(t, cm[cm_at + row + s]);
-            }
-            c = fmul(c, fdiv(1.0, fadd(t, eps)));
-        }
-        // This src column, over dst.
-        share(lid, c, live);
-        var t = zero();
-        for (var d = 0u; d < n; d = d + 1u) {
-            t = fadd(t, cm[cm_at + src + d * n]);
-        }
-        c = fmul(c, fdiv(1.0, fadd(t, eps)));
-    }
-    if (live) {
-        sp[2u * n + k] = c;
-    }
-    workgroupBarrier();
+fn sk_scale(i: u32) -> f32 {
+    return V0[i];
+}
+fn sk_base(i: u32) -> f32 {
+    return V1[i];
 }
 
 // args: n_hc (at most 8), iters, eps. split (OUT) = `sinkhorn`'s [pre | post | comb].

@@ -7,6 +7,10 @@
 @group(0) @binding(2) var<storage, read> W: array<u32>;
 @group(0) @binding(3) var<storage, read_write> X: array<f32>;
 @group(0) @binding(4) var<storage, read_write> OUT: array<f32>;
+// The row that row_scale (row_scale.wgsl) normalizes: X itself.
+fn row_x(i: u32) -> f32 {
+    return X[i];
+}
 // Q8_0 activation: packed signed bytes, then one f32 scale per 32 values from word `d_off`.
 @group(0) @binding(5) var<storage, read_write> XQ: array<u32>;
 
@@ -120,15 +124,20 @@ fn q8_row(second: bool, wq: u32, hs: u32, xq: u32, xd: u32, nb: u32, lid: u32) -
 }
 
 // args: in_dim, rows (in this chunk), rows_per_group, row0, d_off (XQ scales), ws_off (word of the
-// chunk's f16 scales). Weights repacked at upload: each row's quants (8 words per block), then
-// all f16 scales. Block term: (f16(d_w) * d_x) * isum. 32 lanes per row, 8 rows per workgroup.
-// In a chunk, one dispatch computes every token row: row wid.z, whose XQ and OUT start
-// x_stride() and out_stride() words after the previous row's (0 in a decode program); so do
-// mat_vec_f16 and mat_vec_f32 (with X).
+// chunk's f16 scales), per (rows per 32 lanes: 1, or 2 or 4 for rows of at most 2 or 1 chunks).
+// Weights repacked at upload: each row's quants (8 words per block), then all f16 scales. Block
+// term: (f16(d_w) * d_x) * isum. 32 lanes per row, 8 lane groups per workgroup. In a chunk, one
+// dispatch computes every token row: row wid.z, whose XQ and OUT start x_stride() and
+// out_stride() words after the previous row's (0 in a decode program); so do mat_vec_f16 and
+// mat_vec_f32 (with X).
 @compute @workgroup_size(256)
 fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
     if (!guard_at(P.pos + wid.z)) {
+        return;
+    }
+    if (arg(6u) > 1u) {
+        q8_short_rows(wid, nwg, lid, arg(6u));
         return;
     }
     let xo = wid.z * x_stride();
@@ -144,6 +153,78 @@ fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let total = q8_row(false, rr * nb * 2u, ws_off * 2u + rr * nb, xo / 4u + g * nb * 2u, xo + d_off + g * nb, nb, lid);
     if (r < rows && lid % 32u == 0u) {
         OUT[wid.z * out_stride() + row0 + r] = total;
+    }
+}
+
+// One of the 4 chunks a lane group of q8_short_rows requests together: its block (of row
+// r0 + s / (4 / per), chunk s % (4 / per)) and where that row's input is.
+struct Q8Slot {
+    k: Q8Block,
+    xq: u32,
+    xd: u32,
+    b: u32,
+}
+
+fn q8_slot(s: u32, per: u32, r0: u32, xo: u32, nb: u32, lane: u32) -> Q8Slot {
+    let cpr = 4u / per;
+    let rr = min(r0 + s / cpr, arg(1u) - 1u);
+    let g = (arg(3u) + rr) / arg(2u);
+    let b = (s % cpr) * 32u + lane;
+    let k = q8_load(false, rr * nb * 2u, arg(5u) * 2u + rr * nb, b, nb);
+    return Q8Slot(k, xo / 4u + g * nb * 2u, xo + arg(4u) + g * nb, b);
+}
+
+// The slot's chunk sum (the butterfly of its lane terms). Call in uniform control flow.
+fn q8_slot_sum(a: Q8Slot, nb: u32, lid: u32) -> f32 {
+    return lane_sum(q8_chunk(a.k, a.xq, a.xd, a.b, nb), lid);
+}
+
+// mat_vec_q8_0 for short rows: `per` rows per lane group, 4 for rows of one chunk (q_b: 32
+// blocks), 2 for rows of two. The group requests the 4 chunks of its rows at once, as q8_row
+// requests a long row's first 4, so that it keeps as many bytes in flight; each row's sum is
+// q8_row's (its chunk sums added in order from +0). Call in uniform control flow.
+fn q8_short_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, per: u32) {
+    let xo = wid.z * x_stride();
+    let rows = arg(1u);
+    let nb = arg(0u) / 32u;
+    let lane = lid % 32u;
+    let r0 = (group_index(wid, nwg) * 8u + lid / 32u) * per;
+    let a0 = q8_slot(0u, per, r0, xo, nb, lane);
+    let a1 = q8_slot(1u, per, r0, xo, nb, lane);
+    let a2 = q8_slot(2u, per, r0, xo, nb, lane);
+    let a3 = q8_slot(3u, per, r0, xo, nb, lane);
+    let s0 = q8_slot_sum(a0, nb, lid);
+    let s1 = q8_slot_sum(a1, nb, lid);
+    let s2 = q8_slot_sum(a2, nb, lid);
+    let s3 = q8_slot_sum(a3, nb, lid);
+    // Row j's total: its chunk sums from +0 (chunks past the row's end skipped, a uniform test).
+    var o0 = fadd(zero(), s0);
+    var o1: f32;
+    if (per == 4u) {
+        o1 = fadd(zero(), s1);
+    } else {
+        if (32u < nb) {
+            o0 = fadd(o0, s1);
+        }
+        o1 = fadd(zero(), s2);
+        if (32u < nb) {
+            o1 = fadd(o1, s3);
+        }
+    }
+    if (lane == 0u) {
+        let out = wid.z * out_stride() + arg(3u) + r0;
+        if (r0 < rows) {
+            OUT[out] = o0;
+        }
+        if (r0 + 1u < rows) {
+            OUT[out + 1u] = o1;
+        }
+        if (per == 4u && r0 + 2u < rows) {
+            OUT[out + 2u] = fadd(zero(), s2);
+        }
+        if (per == 4u && r0 + 3u < rows) {
+            OUT[out + 3u] = fadd(zero(), s3);
+        }
     }
 }
 

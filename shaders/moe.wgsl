@@ -217,22 +217,25 @@ fn q4k_scale_min(sc: vec4<u32>, j: u32) -> vec2<i32> {
     return vec2<i32>(i32(s), i32(m));
 }
 
-// 0xff in each byte whose bit (of the low 4) is set.
-fn byte_mask(bits: u32) -> u32 {
-    return select(0u, 0xffu, (bits & 1u) != 0u) | select(0u, 0xff00u, (bits & 2u) != 0u)
-        | select(0u, 0xff0000u, (bits & 4u) != 0u) | select(0u, 0xff000000u, (bits & 8u) != 0u);
+// Bit i (of the low 4) of x to bit 0 of byte i: the four shifted copies the product makes lie
+// in disjoint bits, so nothing carries.
+fn spread4(x: u32) -> u32 {
+    return ((x & 15u) * 0x00204081u) & 0x01010101u;
+}
+
+// The 4 bytes of w, each negated (two's complement) where its bit of s (spread4) is set:
+// (b ^ 0xff) + 1. Grid bytes are 8, 25 or 43, so no byte carries into the next.
+fn negate_bytes(w: u32, s: u32) -> u32 {
+    return (w ^ (s * 0xffu)) + s;
 }
 
 // IQ2_XXS: 8 values of grid entry gi with 7 sign bits (the 8th makes the count of negatives
-// even) against two activation words. Grid bytes are below 128, so a negated byte is the same
-// bytes subtracted.
+// even) against two activation words: the signs applied to the grid bytes, one packed dot per
+// 4 values (kernels/moe.cu's iq2_xxs_sub does the same).
 fn iq2_group(gi: u32, signs7: u32, q0: u32, q1: u32) -> i32 {
     let signs = signs7 | ((countOneBits(signs7) & 1u) << 7u);
     let g = grid_sh[gi];
-    let m0 = byte_mask(signs);
-    let m1 = byte_mask(signs >> 4u);
-    return dot4I8Packed(g.x & ~m0, q0) - dot4I8Packed(g.x & m0, q0) + dot4I8Packed(g.y & ~m1, q1)
-        - dot4I8Packed(g.y & m1, q1);
+    return dot4I8Packed(negate_bytes(g.x, spread4(signs)), q0) + dot4I8Packed(negate_bytes(g.y, spread4(signs >> 4u)), q1);
 }
 
 // IQ2_XXS: one sub-block of 32 values (aux0: 4 grid indices; aux1: 4x7 sign bits and a 4-bit
@@ -244,31 +247,38 @@ fn iq2_sub(aux0: u32, aux1: u32, qa: vec4<u32>, qb: vec4<u32>) -> i32 {
     return s * i32(2u * (aux1 >> 28u) + 1u);
 }
 
+// block_term of an IQ2_XXS block: a vector holds two sub-blocks; d is the rest.
+fn iq2_block_term(t: u32, bi: u32, nblk: u32, a: u32, nb: u32, b: u32) -> f32 {
+    let yd = qd(a, nb, b);
+    // The activation block's first vector.
+    let ab = 16u * b;
+    let w0 = wvec(t, 4u * bi);
+    let w1 = wvec(t, 4u * bi + 1u);
+    let w2 = wvec(t, 4u * bi + 2u);
+    let w3 = wvec(t, 4u * bi + 3u);
+    let dw = wword(t, 16u * nblk + bi / 2u) >> ((bi % 2u) * 16u);
+    var bsum = iq2_sub(w0.x, w0.y, avec(a, ab), avec(a, ab + 1u));
+    bsum = bsum + iq2_sub(w0.z, w0.w, avec(a, ab + 2u), avec(a, ab + 3u));
+    bsum = bsum + iq2_sub(w1.x, w1.y, avec(a, ab + 4u), avec(a, ab + 5u));
+    bsum = bsum + iq2_sub(w1.z, w1.w, avec(a, ab + 6u), avec(a, ab + 7u));
+    bsum = bsum + iq2_sub(w2.x, w2.y, avec(a, ab + 8u), avec(a, ab + 9u));
+    bsum = bsum + iq2_sub(w2.z, w2.w, avec(a, ab + 10u), avec(a, ab + 11u));
+    bsum = bsum + iq2_sub(w3.x, w3.y, avec(a, ab + 12u), avec(a, ab + 13u));
+    bsum = bsum + iq2_sub(w3.z, w3.w, avec(a, ab + 14u), avec(a, ab + 15u));
+    return fmul(fmul(h2f(dw & 0xffffu), yd), f32(bsum));
+}
+
 // The term of block bi (of the range's nblk) of tensor t of type ty against activation block
 // (a, nb, b): the integer sums (packed 4x8 dot products) are exact in any order; the float
 // combination is ds4's. Quants and activations are read as 16-byte vectors, the weight's all
 // before the first sum.
 fn block_term(t: u32, ty: u32, bi: u32, nblk: u32, a: u32, nb: u32, b: u32) -> f32 {
+    if (ty == 16u) {
+        return iq2_block_term(t, bi, nblk, a, nb, b);
+    }
     let yd = qd(a, nb, b);
     // The activation block's first vector.
     let ab = 16u * b;
-    if (ty == 16u) {
-        // IQ2_XXS: a vector holds two sub-blocks; d is the rest.
-        let w0 = wvec(t, 4u * bi);
-        let w1 = wvec(t, 4u * bi + 1u);
-        let w2 = wvec(t, 4u * bi + 2u);
-        let w3 = wvec(t, 4u * bi + 3u);
-        let dw = wword(t, 16u * nblk + bi / 2u) >> ((bi % 2u) * 16u);
-        var bsum = iq2_sub(w0.x, w0.y, avec(a, ab), avec(a, ab + 1u));
-        bsum = bsum + iq2_sub(w0.z, w0.w, avec(a, ab + 2u), avec(a, ab + 3u));
-        bsum = bsum + iq2_sub(w1.x, w1.y, avec(a, ab + 4u), avec(a, ab + 5u));
-        bsum = bsum + iq2_sub(w1.z, w1.w, avec(a, ab + 6u), avec(a, ab + 7u));
-        bsum = bsum + iq2_sub(w2.x, w2.y, avec(a, ab + 8u), avec(a, ab + 9u));
-        bsum = bsum + iq2_sub(w2.z, w2.w, avec(a, ab + 10u), avec(a, ab + 11u));
-        bsum = bsum + iq2_sub(w3.x, w3.y, avec(a, ab + 12u), avec(a, ab + 13u));
-        bsum = bsum + iq2_sub(w3.z, w3.w, avec(a, ab + 14u), avec(a, ab + 15u));
-        return fmul(fmul(h2f(dw & 0xffffu), yd), f32(bsum));
-    }
     if (ty == 10u) {
         // Q2_K: quants of half h (128 values) in vectors 2h (low 16 bytes) and 2h + 1; the rest is
         // 16 scale bytes, then d and dmin (20 bytes: word-aligned).
@@ -365,8 +375,10 @@ fn row_dot(t: u32, ty: u32, bi0: u32, nblk: u32, n_blocks: u32, a: u32, nb: u32,
 }
 
 // row_dot of the gate row (GATE) and the up row (UP) at the same place, side by side: each as
-// row_dot computes it, both blocks' loads in flight together.
-fn gate_up_dot(g_ty: u32, u_ty: u32, bi0: u32, nblk: u32, n_blocks: u32, lid: u32, width: u32) -> vec2<f32> {
+// row_dot computes it, both blocks' loads in flight together. With `iq2` (a constant of the
+// entry point: both tensors IQ2_XXS) only the IQ2_XXS terms are compiled in, which leaves the
+// k-quant paths' registers out.
+fn gate_up_dot(g_ty: u32, u_ty: u32, bi0: u32, nblk: u32, n_blocks: u32, lid: u32, width: u32, iq2: bool) -> vec2<f32> {
     let lane = lid % width;
     var tg = zero();
     var tu = zero();
@@ -374,7 +386,10 @@ fn gate_up_dot(g_ty: u32, u_ty: u32, bi0: u32, nblk: u32, n_blocks: u32, lid: u3
         var ag = zero();
         var au = zero();
         let b = c + lane;
-        if (b < n_blocks) {
+        if (b < n_blocks && iq2) {
+            ag = fadd(ag, iq2_block_term(0u, bi0 + b, nblk, 0u, n_blocks, b));
+            au = fadd(au, iq2_block_term(1u, bi0 + b, nblk, 0u, n_blocks, b));
+        } else if (b < n_blocks) {
             ag = fadd(ag, block_term(0u, g_ty, bi0 + b, nblk, 0u, n_blocks, b));
             au = fadd(au, block_term(1u, u_ty, bi0 + b, nblk, 0u, n_blocks, b));
         }
@@ -400,6 +415,21 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (!guard()) {
         return;
     }
+    gate_up_rows(wid, nwg, lid, false);
+}
+
+// moe_gate_up for IQ2_XXS gate and up tensors (Flash's), with only their terms compiled in.
+@compute @workgroup_size(256)
+fn moe_gate_up_iq2_xxs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    gate_up_rows(wid, nwg, lid, true);
+}
+
+// moe_gate_up's work (`iq2`: gate_up_dot's). Call in uniform control flow.
+fn gate_up_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, iq2: bool) {
     load_grid(lid, 256u);
     let in_dim = arg(3u);
     let ff = arg(4u);
@@ -416,7 +446,7 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let el = select(0u, e - e0, e >= e0 && e < e1);
     let nbx = in_dim / 256u;
     let nblk = (e1 - e0) * ff * nbx;
-    let gu = gate_up_dot(arg(0u), arg(1u), (el * ff + r) * nbx, nblk, nbx, lid, width);
+    let gu = gate_up_dot(arg(0u), arg(1u), (el * ff + r) * nbx, nblk, nbx, lid, width, iq2);
     if (mine && lid % width == 0u) {
         F0[it] = fmul(swiglu_clamped(gu.x, gu.y, argf(9u)), WEIGHTS[slot]);
     }

@@ -13,6 +13,88 @@
 // The output's Q8_K quantization, for the routed experts (quantize_q8_k's layout, n / 256 blocks:
 // quants, then d, then bsums).
 @group(0) @binding(9) var<storage, read_write> XK: array<u32>;
+// hc_pre_norm: the HC mix, scale and base (the Sinkhorn's inputs), the split it stores, and the
+// weighted sum of the streams (the norm's input, stored too).
+@group(0) @binding(10) var<storage, read> MIX: array<f32>;
+@group(0) @binding(11) var<storage, read> HSCALE: array<f32>;
+@group(0) @binding(12) var<storage, read> HBASE: array<f32>;
+@group(0) @binding(13) var<storage, read_write> SPLIT: array<f32>;
+@group(0) @binding(14) var<storage, read_write> CUR: array<f32>;
+
+// The row the norm reads (row_scale.wgsl and norm_slice read it only through this): X, or in
+// hc_pre_norm the weighted sum of the streams in X by the pre gates.
+var<private> from_streams: bool;
+fn row_x(i: u32) -> f32 {
+    if (from_streams) {
+        return stream_sum(i);
+    }
+    return X[i];
+}
+
+// hc_pre_norm's pre gates, made by each of its workgroups.
+var<workgroup> pre_gates: array<f32, 8>;
+
+// Value d of the weighted sum of the n_hc (arg 10, at most 8) streams of n (arg 0) values in X,
+// as hc_weighted_sum computes it: stream h times pre[h], h ascending, from +0. The loop's fixed
+// bound lets the compiler unroll it and issue every load before the adds.
+fn stream_sum(d: u32) -> f32 {
+    let n = arg(0u);
+    let n_hc = arg(10u);
+    var acc = zero();
+    for (var h = 0u; h < 8u; h = h + 1u) {
+        if (h < n_hc) {
+            acc = fadd(acc, fmul(X[h * n + d], pre_gates[h]));
+        }
+    }
+    return acc;
+}
+
+// The Sinkhorn's inputs (sinkhorn.wgsl).
+fn sk_mix(i: u32) -> f32 {
+    return MIX[i];
+}
+fn sk_scale(i: u32) -> f32 {
+    return HSCALE[i];
+}
+fn sk_base(i: u32) -> f32 {
+    return HBASE[i];
+}
+
+// HcSplit, HcWeightedSum and the RmsNorm (with weight) of the weighted sum in one dispatch: the
+// HC pre-mix's tail, as kernels/fused.cu's hc_pre does it. The weighted sum needs only the pre
+// gates, which each workgroup makes itself (n_hc invocations); the Sinkhorn runs once, in the
+// last workgroup, which stores the whole split (SPLIT) for the HcPost. Workgroups 0 .. slices
+// are rms_norm's (args 0..9 are rms_norm's, without RoPE), each reading the weighted sum
+// wherever rms_norm reads its row (every value computed by the same operations, so the same
+// bits) and storing its slice of it (CUR). args 10..12: n_hc (at most 8), iters, eps of the HC.
+@compute @workgroup_size(256)
+fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n_hc = arg(10u);
+    let eps = argf(12u);
+    let g = group_index(wid, nwg);
+    if (g == arg(5u)) {
+        sinkhorn(lid, n_hc, arg(11u), eps);
+        for (var j = lid; j < 2u * n_hc + n_hc * n_hc; j = j + 256u) {
+            SPLIT[j] = sp[j];
+        }
+        return;
+    }
+    if (lid < n_hc) {
+        pre_gates[lid] = hc_pre_gate(lid, eps);
+    }
+    workgroupBarrier();
+    from_streams = true;
+    let begin = g * arg(4u);
+    let end = min(begin + arg(4u), arg(0u));
+    for (var i = begin + lid; i < end; i = i + 256u) {
+        CUR[i] = stream_sum(i);
+    }
+    norm_slice(g, lid, 0u, 0u);
+}
 
 // args: n, eps, has_weight, slices, per, rows * slices, q8, q8k (both: one row only; q8k: slices of
 // whole 256-blocks), rope, n_rot. With rope, each row is a head whose last n_rot values are then
@@ -28,16 +110,20 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (!guard_at(P.pos + wid.z)) {
         return;
     }
-    let xo = wid.z * x_stride();
-    let oo = wid.z * out_stride();
+    norm_slice(group_index(wid, nwg), lid, wid.z * x_stride(), wid.z * out_stride());
+}
+
+// rms_norm's work for workgroup `group` (uniform) of the dispatch, its row read at word xo of X
+// (through row_x) and written at word oo of OUT. Call in uniform control flow.
+fn norm_slice(group: u32, lid: u32, xo: u32, oo: u32) {
     let n = arg(0u);
     let eps = argf(1u);
     let has_w = arg(2u) != 0u;
     let slices = arg(3u);
     let per = arg(4u);
     // A 2D grid may hold more workgroups than rows * slices: the extra ones write nothing.
-    let live = group_index(wid, nwg) < arg(5u);
-    let g = min(group_index(wid, nwg), arg(5u) - 1u);
+    let live = group < arg(5u);
+    let g = min(group, arg(5u) - 1u);
     let row = (g / slices) * n;
     let begin = (g % slices) * per;
     var end = min(begin + per, n);
@@ -55,7 +141,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let i = i0 + lid;
         var v = 0.0;
         if (i < end) {
-            v = fmul(X[xo + row + i], scale);
+            v = fmul(row_x(xo + row + i), scale);
             if (has_w) {
                 v = fmul(v, WV[i]);
             }

@@ -1,7 +1,7 @@
 // The RMS norm's scale of a row, in the canonical order: 32-lane group w of a workgroup sums the
 // chunks w, w + 8, ... (512 terms each, 4 per lane step) and the chunk sums add in order. Shared
-// by norm.wgsl and matvec.wgsl (backends/wgpu prepends it to both), each of which declares the
-// row's buffer as `X`.
+// by norm.wgsl and matvec.wgsl (backends/wgpu prepends it to both), each of which defines
+// `row_x(i)`, the row's value i (X[i], or in norm.wgsl's hc_pre_norm a value it computes).
 
 var<workgroup> chunk_sums: array<f32, 64>;
 var<workgroup> scale_sh: f32;
@@ -16,10 +16,10 @@ struct Values16 {
 }
 
 fn load16(i: u32) -> Values16 {
-    return Values16(vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]),
-                    vec4<f32>(X[i + 128u], X[i + 129u], X[i + 130u], X[i + 131u]),
-                    vec4<f32>(X[i + 256u], X[i + 257u], X[i + 258u], X[i + 259u]),
-                    vec4<f32>(X[i + 384u], X[i + 385u], X[i + 386u], X[i + 387u]));
+    return Values16(vec4<f32>(row_x(i), row_x(i + 1u), row_x(i + 2u), row_x(i + 3u)),
+                    vec4<f32>(row_x(i + 128u), row_x(i + 129u), row_x(i + 130u), row_x(i + 131u)),
+                    vec4<f32>(row_x(i + 256u), row_x(i + 257u), row_x(i + 258u), row_x(i + 259u)),
+                    vec4<f32>(row_x(i + 384u), row_x(i + 385u), row_x(i + 386u), row_x(i + 387u)));
 }
 
 // Their squares added in order from +0.
@@ -43,7 +43,7 @@ fn chunk_squares(row: u32, c0: u32, n: u32, lane: u32) -> f32 {
         for (var v = 0u; v < 4u; v = v + 1u) {
             let i = base + v;
             if (i < n) {
-                let x = X[row + i];
+                let x = row_x(row + i);
                 acc = fadd(acc, fmul(x, x));
             }
         }

@@ -31,7 +31,7 @@ pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
 
 /// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, the
 /// lane reductions (subgroup shuffles or workgroup memory), `row_scale.wgsl` for the files that
-/// normalize rows, then the file.
+/// normalize rows, `sinkhorn.wgsl` for the files that run the HC split, then the file.
 #[cfg(feature = "wgpu")]
 pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
     let body = match file {
@@ -55,7 +55,13 @@ pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
         "norm" | "matvec" => include_str!("../../shaders/row_scale.wgsl"),
         _ => "",
     };
-    Some(format!("{}{}\n{lanes}\n{row_scale}\n{body}", wgsl_constants(), include_str!("../../shaders/common.wgsl")))
+    // The HC split's Sinkhorn, for the HC ops and the norm that fuses them (hc_pre_norm).
+    let sinkhorn = match file {
+        "hc" | "norm" => include_str!("../../shaders/sinkhorn.wgsl"),
+        _ => "",
+    };
+    let common = include_str!("../../shaders/common.wgsl");
+    Some(format!("{}{common}\n{lanes}\n{row_scale}\n{sinkhorn}\n{body}", wgsl_constants()))
 }
 
 /// Every shader file.
