@@ -160,6 +160,20 @@ mod imp {
         n.filter(|n| matches!(n, 8 | 16 | 32)).unwrap_or(16)
     }
 
+    /// The chunk build's attention with a block per (token row, group of heads) that reads each
+    /// KV row once for the group (kernels/attention.cu: attention_chunk): its block size, which
+    /// sets the group to a sixteenth of it. 256 by default; `DS4_CUDA_ATTN_CHUNK_THREADS` (128,
+    /// 256 or 512) overrides it, and `DS4_CUDA_ATTN_CHUNK=0` keeps the block per (head, row), to
+    /// measure.
+    fn attn_chunk_threads() -> Option<u32> {
+        if std::env::var("DS4_CUDA_ATTN_CHUNK").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let n = std::env::var("DS4_CUDA_ATTN_CHUNK_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
+        Some(n.filter(|n| matches!(n, 128 | 256 | 512)).unwrap_or(256))
+    }
+    const ATTN_CHUNK_KERNEL: &str = "attention_chunk";
+
     /// Parameter rows of a chunk of `rows`: a whole number of both Q8_0 kernels' token groups.
     fn chunk_param_rows(rows: u32) -> u32 {
         let (a, b) = (q8_token_rows(), q8_mma_tokens());
@@ -190,7 +204,12 @@ mod imp {
         let chunk = (rows == KernelRows::Chunk) as u32;
         let token_rows = match rows {
             KernelRows::Chunk => {
-                format!("#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n", q8_token_rows(), q8_mma_tokens())
+                format!(
+                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define ATTN_CHUNK_THREADS {}\n",
+                    q8_token_rows(),
+                    q8_mma_tokens(),
+                    attn_chunk_threads().unwrap_or(256)
+                )
             }
             KernelRows::One => String::new(),
         };
@@ -1355,16 +1374,29 @@ mod imp {
                         (r.grid, r.rows) = (r.rows, r.grid);
                     }
                     if r.kernel == "attention" {
-                        // The chunk's attention (a block per head and row) in blocks of 512 threads, or
-                        // head_dim if larger: Flash prefill 305.6 -> 316.7 tok/s against 1024 on the
-                        // H200. The order of every sum does not depend on the block size.
-                        // `DS4_CUDA_ATTN_THREADS` overrides it, to measure.
                         let a = bytemuck::try_pod_read_unaligned::<args::AttentionArgs>(bytemuck::cast_slice(&r.args))
                             .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
-                        let want = std::env::var("DS4_CUDA_ATTN_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
-                        let t = want.unwrap_or(512).max(a.head_dim);
-                        if t.is_multiple_of(32) && t <= 1024 {
-                            r.block = t;
+                        match attn_chunk_threads().filter(|_| a.head_dim <= 512) {
+                            // A block per (row, group of threads / 16 heads): same bits, each KV row
+                            // read once per group instead of once per head.
+                            Some(t) => {
+                                r.kernel = ATTN_CHUNK_KERNEL;
+                                r.func = funcs.get(ATTN_CHUNK_KERNEL)?;
+                                r.block = t;
+                                r.grid = a.n_head.div_ceil(t / 16);
+                            }
+                            // The chunk's attention (a block per head and row) in blocks of 512
+                            // threads, or head_dim if larger: Flash prefill 305.6 -> 316.7 tok/s
+                            // against 1024 on the H200. The order of every sum does not depend on
+                            // the block size. `DS4_CUDA_ATTN_THREADS` overrides it, to measure.
+                            None => {
+                                let want =
+                                    std::env::var("DS4_CUDA_ATTN_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
+                                let t = want.unwrap_or(512).max(a.head_dim);
+                                if t.is_multiple_of(32) && t <= 1024 {
+                                    r.block = t;
+                                }
+                            }
                         }
                     }
                     launches.push(r);

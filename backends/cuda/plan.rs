@@ -1033,7 +1033,7 @@ impl<'a> Builder<'a> {
                     max_rows,
                     kq_scale: crate::backends::gpu_tables::attention_kq_scale(head_dim),
                     n_rot: rope_rot,
-                    _pad: 0,
+                    n_head,
                 };
                 self.launch(n_head, 1024, a);
                 if xq != Ptr::NULL {

@@ -17,6 +17,7 @@
 #define __restrict__
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct emu_dim3 {
     unsigned x, y, z;
@@ -33,6 +34,7 @@ struct float4 {
 struct int2 {
     int x, y;
 };
+inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 inline int4 make_int4(int a, int b, int c, int d) { return int4{a, b, c, d}; }
 inline int2 make_int2(int a, int b) { return int2{a, b}; }
 

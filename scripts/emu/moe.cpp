@@ -4,25 +4,7 @@
 // moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit.
 #include "emu.h"
 #include "kern.inc"
-#include <random>
-
-static std::mt19937_64 rng(12345);
-static u32 rnd() { return (u32)rng(); }
-static float frand(float lo, float hi) { return lo + (hi - lo) * (float)(rnd() >> 8) / 16777216.0f; }
-
-// `rows` rows of `bytes`, 256-aligned (as a chunk arena lays a per-row area out).
-struct RowBuf {
-    std::vector<unsigned char> mem;
-    u32 stride;
-    RowBuf(size_t bytes, u32 rows, unsigned char fill = 0xab) {
-        stride = (u32)((bytes + 255) / 256 * 256);
-        if (!stride) stride = 256;
-        mem.assign((size_t)stride * rows + 256, fill);
-    }
-    unsigned char* base() { return (unsigned char*)(((uintptr_t)mem.data() + 255) & ~(uintptr_t)255); }
-    template <class T> T* row(u32 y) { return (T*)(base() + (size_t)y * stride); }
-    u64 ptr() { return (u64)base(); }
-};
+#include "host.h"
 
 static unsigned short rand_half() {
     // Finite, normal, moderate: exponent 8..18 (2^-7 .. 2^3).
@@ -124,12 +106,6 @@ static int run(const Config& c, bool native) {
     const float clamp = 7.0f;
     const u64 G = (u64)grid.data(), TG = (u64)gate.table.data(), TU = (u64)up.table.data(),
               TD = (u64)down.table.data();
-    auto strides = [](std::initializer_list<u32> s) {
-        RowStrides r{};
-        int i = 0;
-        for (u32 v : s) r.s[i++] = v;
-        return r;
-    };
     auto P0 = P.data();
 
     // Old: per row, over blockIdx.y.
@@ -151,7 +127,7 @@ static int run(const Config& c, bool native) {
         a.n_expert = c.n_expert;
         a.clamp = clamp;
         a.ticket = 0;
-        const RowStrides R = strides({X.stride, SEL.stride, W.stride, 0, 0, mid_old.stride, 0, midq_old.stride, tickets.stride});
+        const RowStrides R = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid_old.stride, 0, midq_old.stride, tickets.stride});
         emu_launch({blocks_of(c.n_used * c.ff / 2, 8), c.rows, 1}, 256, [&] {
             if (c.gate_ty == 16) moe_gate_up_iq2_xxs(P0, cond, R, a);
             else moe_gate_up(P0, cond, R, a);
@@ -167,13 +143,13 @@ static int run(const Config& c, bool native) {
         d.out_dim = c.out_dim;
         d.n_used = c.n_used;
         d.n_expert = c.n_expert;
-        const RowStrides RD = strides({midq_old.stride, SEL.stride, 0, out_old.stride, 0});
+        const RowStrides RD = row_strides({midq_old.stride, SEL.stride, 0, out_old.stride, 0});
         emu_launch({blocks_of((c.out_dim + 1) / 2, 8), c.rows, 1}, 256, [&] { moe_down(P0, cond, RD, d); });
     }
     // New: grouped by expert.
     {
         MoeRouteArgs r{(const int*)SEL.ptr(), (u32*)route.ptr(), c.n_expert, c.n_used, c.rows, 0};
-        const RowStrides RR = strides({SEL.stride, route.stride});
+        const RowStrides RR = row_strides({SEL.stride, route.stride});
         emu_launch({1, 1, 1}, 1024, [&] { moe_route(P0, cond, RR, r); });
         MoeGateUpGroupedArgs a{};
         a.xq = (const BlockQ8K*)X.ptr();
@@ -190,13 +166,13 @@ static int run(const Config& c, bool native) {
         a.n_used = c.n_used;
         a.n_expert = c.n_expert;
         a.clamp = clamp;
-        const RowStrides RG = strides({X.stride, SEL.stride, W.stride, 0, 0, mid_new.stride, 0, route.stride});
+        const RowStrides RG = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid_new.stride, 0, route.stride});
         emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
             if (c.gate_ty == 16) moe_gate_up_grouped_iq2_xxs(P0, cond, RG, a);
             else moe_gate_up_grouped(P0, cond, RG, a);
         });
         QuantizeQ8KArgs q{(const float*)mid_new.ptr(), (BlockQ8K*)midq_new.ptr()};
-        const RowStrides RQ = strides({mid_new.stride, midq_new.stride});
+        const RowStrides RQ = row_strides({mid_new.stride, midq_new.stride});
         emu_launch({c.n_used * c.ff / 256, c.rows, 1}, 256, [&] { quantize_q8_k(P0, cond, RQ, q); });
         MoeDownGroupedArgs d{};
         d.midq = (const BlockQ8K*)midq_new.ptr();
@@ -209,10 +185,10 @@ static int run(const Config& c, bool native) {
         d.out_dim = c.out_dim;
         d.n_used = c.n_used;
         d.n_expert = c.n_expert;
-        const RowStrides RD = strides({midq_new.stride, 0, parts.stride, 0, route.stride});
+        const RowStrides RD = row_strides({midq_new.stride, 0, parts.stride, 0, route.stride});
         emu_launch({c.n_expert * blocks_of((c.out_dim + 1) / 2, 8), 1, 1}, 256, [&] { moe_down_grouped(P0, cond, RD, d); });
         MoeSumSlotsArgs s{(const float*)parts.ptr(), (float*)out_new.ptr(), c.out_dim, c.n_used};
-        const RowStrides RS = strides({parts.stride, out_new.stride});
+        const RowStrides RS = row_strides({parts.stride, out_new.stride});
         emu_launch({blocks_of(c.out_dim, 256), c.rows, 1}, 256, [&] { moe_sum_slots(P0, cond, RS, s); });
     }
     // Compare.
