@@ -417,6 +417,140 @@ extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
     if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
 }
 
+#if DS4_CHUNK_ROWS
+// The chunk build's F16 products for F16_TOKENS token rows (blockIdx.y's group) from one load of
+// each weight chunk: the same warps, terms and sums as the per-row kernels above, so the same bits.
+#define F16_TOKENS 8
+
+// The 16 weights a lane holds of a chunk, as floats (converted once for every token row).
+struct F16ChunkF {
+    float w[16];
+};
+__device__ __forceinline__ F16ChunkF f16_chunk_floats(const F16Chunk& c) {
+    F16ChunkF f;
+#pragma unroll
+    for (u32 u = 0; u < 2; u++) {
+        const uint4 q = c.q[u];
+        const u32 h[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (u32 k = 0; k < 4; k++) {
+            f.w[8 * u + 2 * k] = h2f((u16)(h[k] & 0xffff));
+            f.w[8 * u + 2 * k + 1] = h2f((u16)(h[k] >> 16));
+        }
+    }
+    return f;
+}
+// chunk_dot_f16's lane sum from the converted weights: the same products in the same order.
+__device__ __forceinline__ float chunk_dot_f16f(const F16ChunkF& c, const float* x, u32 n, u32 lane) {
+    float acc = 0.0f;
+#pragma unroll
+    for (u32 u = 0; u < 2; u++) {
+        const u32 i = u * 256 + lane * 8;
+        if (i < n) {
+            const float4 p = *(const float4*)(x + i), s = *(const float4*)(x + i + 4);
+            acc += c.w[8 * u] * p.x;
+            acc += c.w[8 * u + 1] * p.y;
+            acc += c.w[8 * u + 2] * p.z;
+            acc += c.w[8 * u + 3] * p.w;
+            acc += c.w[8 * u + 4] * s.x;
+            acc += c.w[8 * u + 5] * s.y;
+            acc += c.w[8 * u + 6] * s.z;
+            acc += c.w[8 * u + 7] * s.w;
+        }
+    }
+    return acc;
+}
+
+// Which of the group's token rows run (count 0 past the chunk's tokens, or a false predicate).
+__device__ __forceinline__ u32 f16_active_tokens(const StepParams* P, u64 cond, u32 y0) {
+    u32 active = 0;
+#pragma unroll
+    for (u32 t = 0; t < F16_TOKENS; t++)
+        if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
+    return active;
+}
+
+#define ROW_PTR(T, p, k, y) ((T*)((u8*)(p) + (u64)(y) * R.s[k]))
+
+// mat_vec_f16 for a group of token rows: a warp per matrix row, all chunks.
+extern "C" __global__ void mat_mul_f16(DS4_ARGS, MatVecF16Args a) {
+    const u32 y0 = blockIdx.y * F16_TOKENS;
+    const u32 active = f16_active_tokens(P, cond, y0);
+    ds4_wait_predecessor();
+    const u32 lane = threadIdx.x & 31;
+    const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (!active || r >= a.rows) return;
+    const u16* row = a.w + (u64)r * a.in_dim;
+    const u64 xoff = (u64)(r / a.rows_per_group) * a.in_dim;
+    float total[F16_TOKENS];
+#pragma unroll
+    for (u32 t = 0; t < F16_TOKENS; t++) total[t] = 0.0f;
+    for (u32 c = 0; c < a.in_dim; c += DS4_CHUNK) {
+        const F16ChunkF wf = f16_chunk_floats(load_chunk_f16(row + c, a.in_dim - c, lane));
+#pragma unroll
+        for (u32 t = 0; t < F16_TOKENS; t++)
+            if ((active >> t) & 1) {
+                const float* xg = ROW_PTR(const float, a.x, 1, y0 + t) + xoff;
+                total[t] += warp_sum(chunk_dot_f16f(wf, xg + c, a.in_dim - c, lane));
+            }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (u32 t = 0; t < F16_TOKENS; t++)
+            if ((active >> t) & 1) ROW_PTR(float, a.out, 2, y0 + t)[r] = total[t];
+}
+
+// mat_vec_f16_split for a group of token rows: a warp per (matrix row, chunk) writes each token
+// row's chunk sum to that row's partials; the group's last block (the ticket of its first token
+// row) adds each (token row, matrix row)'s chunk sums in order from +0.
+extern "C" __global__ void mat_mul_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
+    __shared__ bool last;
+    const u32 y0 = blockIdx.y * F16_TOKENS;
+    const u32 active = f16_active_tokens(P, cond, y0);
+    const u32 lane = threadIdx.x & 31;
+    const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const u32 all_rows = a.rows + a.rows2;
+    const bool live = active && wid < all_rows * a.n_chunks;
+    const u32 rr = live ? wid / a.n_chunks : 0, c = live ? (wid % a.n_chunks) * DS4_CHUNK : 0;
+    const bool second = rr >= a.rows;
+    const u32 r = second ? rr - a.rows : rr;
+    const u16* row = (second ? a.w2 : a.w) + (u64)r * a.in_dim;
+    F16Chunk chunk;
+    if (live) chunk = load_chunk_f16(row + c, a.in_dim - c, lane);
+    ds4_wait_predecessor();
+    if (!active) return;  // the whole group's blocks: none takes the ticket
+    if (live) {
+        const F16ChunkF wf = f16_chunk_floats(chunk);
+        const u64 xoff = second ? 0 : (u64)(r / a.rows_per_group) * a.in_dim;
+#pragma unroll
+        for (u32 t = 0; t < F16_TOKENS; t++)
+            if ((active >> t) & 1) {
+                const float* xg = ROW_PTR(const float, a.x, 1, y0 + t) + xoff;
+                const float s = warp_sum(chunk_dot_f16f(wf, xg + c, a.in_dim - c, lane));
+                if (lane == 0) ROW_PTR(float, a.partial, 2, y0 + t)[wid] = s;
+            }
+    }
+    __threadfence();
+    __syncthreads();
+    u32* ticket = ROW_PTR(u32, a.tickets, 3, y0) + a.ticket;
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (u32 i = threadIdx.x; i < F16_TOKENS * all_rows; i += blockDim.x) {
+        const u32 t = i / all_rows, rw = i % all_rows;
+        if (!((active >> t) & 1)) continue;
+        const float* part = ROW_PTR(const float, a.partial, 2, y0 + t) + (u64)rw * a.n_chunks;
+        float total = 0.0f;
+        for (u32 k = 0; k < a.n_chunks; k++) total += __ldcg(part + k);
+        if (rw < a.rows) ROW_PTR(float, a.out, 4, y0 + t)[rw] = total;
+        else ROW_PTR(float, a.out2, 6, y0 + t)[rw - a.rows] = total;
+    }
+    if (threadIdx.x == 0) *ticket = 0;
+}
+#undef ROW_PTR
+#endif
+
 // One warp per row of an F32 matrix (4 terms per lane step).
 extern "C" __global__ void mat_vec_f32(DS4_ARGS, MatVecF32Args a) {
     DS4_GUARD;

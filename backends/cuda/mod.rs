@@ -174,14 +174,32 @@ mod imp {
     }
     const ATTN_CHUNK_KERNEL: &str = "attention_chunk";
 
-    /// Parameter rows of a chunk of `rows`: a whole number of both Q8_0 kernels' token groups.
-    fn chunk_param_rows(rows: u32) -> u32 {
-        let (a, b) = (q8_token_rows(), q8_mma_tokens());
-        let (mut x, mut y) = (a, b);
-        while y != 0 {
-            (x, y) = (y, x % y);
+    /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
+    /// each weight chunk (kernels/matvec.cu: mat_mul_f16, mat_mul_f16_split), in place of the
+    /// per-row launches of the kernel each replaces. `DS4_CUDA_F16_CHUNK=0` keeps those, to measure.
+    fn f16_chunk_kernel(kernel: &str) -> Option<&'static str> {
+        if std::env::var("DS4_CUDA_F16_CHUNK").is_ok_and(|v| v == "0") {
+            return None;
         }
-        rows.next_multiple_of(a / x * b)
+        match kernel {
+            "mat_vec_f16" => Some("mat_mul_f16"),
+            "mat_vec_f16_split" => Some("mat_mul_f16_split"),
+            _ => None,
+        }
+    }
+    const F16_TOKENS: u32 = 8;
+
+    /// Parameter rows of a chunk of `rows`: a whole number of the token groups of the Q8_0 and F16
+    /// kernels.
+    fn chunk_param_rows(rows: u32) -> u32 {
+        let lcm = |a: u32, b: u32| {
+            let (mut x, mut y) = (a, b);
+            while y != 0 {
+                (x, y) = (y, x % y);
+            }
+            a / x * b
+        };
+        rows.next_multiple_of(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS))
     }
 
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
@@ -1357,6 +1375,15 @@ mod imp {
                             i += 1;
                             continue;
                         }
+                    }
+                    if let Some(kernel) = f16_chunk_kernel(l.kernel) {
+                        let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
+                        r.kernel = kernel;
+                        r.func = funcs.get(kernel)?;
+                        r.rows = rows.div_ceil(F16_TOKENS);
+                        launches.push(r);
+                        i += 1;
+                        continue;
                     }
                     let ys = if multi {
                         rows.div_ceil(token_rows)
