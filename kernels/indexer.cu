@@ -188,6 +188,95 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) indexer_scores_chunk(D
 }
 #endif
 
+#if !DS4_CHUNK_ROWS
+// The decode build's scores: a block per IDX1_ROWS compressed rows, lane l of every warp on row
+// l; warp w computes the dots of head groups w, w + 4, ... (IDX1_HEADS heads a group, from one
+// load of the k row's float4 per leaf) itself in indexer_scores_chunk's order, keeps the terms
+// max(dot, 0) * (w_h * scale) in registers, then one lane per row adds them in head order from +0.
+// Same bits as indexer_scores; q (at most IDX1_MAX_HEADS heads) and the rows are staged in shared
+// memory, the terms in the rows' space once the dots are done.
+#define IDX1_ROWS 32
+#define IDX1_THREADS 128
+#define IDX1_HEADS 4
+#define IDX1_MAX_HEADS 64
+#define IDX1_GROUPS (IDX1_MAX_HEADS / IDX1_HEADS / (IDX1_THREADS / 32))
+// A row's terms, padded so that the 32 rows' same head fall in distinct banks.
+#define IDX1_TERMS (IDX1_MAX_HEADS + 1)
+static_assert(IDX1_ROWS * IDX1_TERMS <= IDX1_ROWS * 32 * 4, "the terms fit the rows' space");
+
+// s[e] = the tree over leaves [I, I + N) of the lane sums of q head qh + 32 e and the k row kr,
+// whose float4 j is staged at j ^ sw.
+template <u32 I, u32 N>
+__device__ __forceinline__ void idx1_tree(float (&s)[IDX1_HEADS], const float4* qh, const float4* kr, u32 sw) {
+    if constexpr (N == 1) {
+        constexpr u32 l = bit_reverse5(I);
+        const float4 kv = kr[l ^ sw];
+#pragma unroll
+        for (u32 e = 0; e < IDX1_HEADS; e++) {
+            const float4 qv = qh[e * 32 + l];
+            float acc = kv.x * qv.x;
+            acc += kv.y * qv.y;
+            acc += kv.z * qv.z;
+            acc += kv.w * qv.w;
+            s[e] = acc;
+        }
+    } else {
+        float b[IDX1_HEADS];
+        idx1_tree<I, N / 2>(s, qh, kr, sw);
+        idx1_tree<I + N / 2, N / 2>(b, qh, kr, sw);
+#pragma unroll
+        for (u32 e = 0; e < IDX1_HEADS; e++) s[e] += b[e];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(IDX1_THREADS) indexer_scores_one(DS4_ARGS, IndexerScoresArgs a) {
+    DS4_GUARD;
+    __shared__ float4 sm[(IDX1_MAX_HEADS + IDX1_ROWS) * 32];
+    float4* qs = sm;
+    float4* ks = sm + IDX1_MAX_HEADS * 32;
+    float* terms = (float*)ks;
+    const u32 n = ds4_comp_rows(P, a.ratio, a.cap), c0 = blockIdx.x * IDX1_ROWS;
+    if (c0 >= n) return;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (u32 i = threadIdx.x; i < a.n_head * 32; i += IDX1_THREADS) qs[i] = ((const float4*)a.q)[i];
+    // Row r's float4 j at j ^ (r & 7): lanes reading one column of 32 rows spread over all banks.
+    for (u32 i = threadIdx.x; i < IDX1_ROWS * 32; i += IDX1_THREADS) {
+        const u32 r = i >> 5, j = i & 31, c = c0 + r;
+        ks[r * 32 + (j ^ (r & 7))] = c < n ? ((const float4*)(a.cache + (u64)c * 128))[j] : zero;
+    }
+    __syncthreads();
+    float term[IDX1_GROUPS * IDX1_HEADS];
+#pragma unroll
+    for (u32 m = 0; m < IDX1_GROUPS; m++) {
+        const u32 h0 = (warp + 4 * m) * IDX1_HEADS;
+        if (h0 < a.n_head) {
+            float d[IDX1_HEADS];
+            idx1_tree<0, 32>(d, qs + h0 * 32, ks + lane * 32, lane & 7);
+#pragma unroll
+            for (u32 e = 0; e < IDX1_HEADS; e++) {
+                const float dot = 0.0f + d[e];
+                term[m * IDX1_HEADS + e] = fmaxf(dot, 0.0f) * (a.weights[h0 + e] * a.scale);
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (u32 m = 0; m < IDX1_GROUPS; m++) {
+        const u32 h0 = (warp + 4 * m) * IDX1_HEADS;
+        if (h0 < a.n_head)
+#pragma unroll
+            for (u32 e = 0; e < IDX1_HEADS; e++) terms[lane * IDX1_TERMS + h0 + e] = term[m * IDX1_HEADS + e];
+    }
+    __syncthreads();
+    if (warp == 0 && c0 + lane < n) {
+        float t = 0.0f;
+        for (u32 h = 0; h < a.n_head; h++) t += terms[lane * IDX1_TERMS + h];
+        a.out[c0 + lane] = t;
+    }
+}
+#endif
+
 // The order-preserving key of a score: larger scores, larger keys; 0 for a row that is never
 // picked (at or below -1e30, or NaN: the canonical pick takes only scores above -1e30). -0 takes
 // +0's key (as integers), as the float comparison ranks them equal.

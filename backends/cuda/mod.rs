@@ -194,6 +194,27 @@ mod imp {
     /// indexer_scores_chunk's block: 8 x 16 threads over (token rows, compressed rows).
     const INDEXER_CHUNK_THREADS: u32 = 128;
 
+    /// The decode build's indexer scores with a lane per compressed row, 32 rows a block, and the
+    /// head dots spread over the block's warps (kernels/indexer.cu: indexer_scores_one; head_dim
+    /// 128, at most 64 heads, a multiple of 4). `DS4_CUDA_INDEXER_DECODE=0` keeps the block per
+    /// compressed row, to measure.
+    fn indexer_one(r: &mut Resolved, funcs: &mut Functions) -> Result<(), BackendError> {
+        if r.kernel != "indexer_scores" || std::env::var("DS4_CUDA_INDEXER_DECODE").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        let a = bytemuck::try_pod_read_unaligned::<args::IndexerScoresArgs>(bytemuck::cast_slice(&r.args))
+            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
+        if a.head_dim == 128 && a.n_head.is_multiple_of(4) && a.n_head <= 64 {
+            r.kernel = INDEXER_ONE_KERNEL;
+            r.func = funcs.get(INDEXER_ONE_KERNEL)?;
+            r.block = 128;
+            r.grid = a.cap.max(1).div_ceil(INDEXER_ONE_ROWS);
+        }
+        Ok(())
+    }
+    const INDEXER_ONE_KERNEL: &str = "indexer_scores_one";
+    const INDEXER_ONE_ROWS: u32 = 32;
+
     /// Parameter rows of a chunk of `rows`: a whole number of both Q8_0 kernels' token groups.
     fn chunk_param_rows(rows: u32) -> u32 {
         let (a, b) = (q8_token_rows(), q8_mma_tokens());
@@ -1135,7 +1156,13 @@ mod imp {
             };
             let mut funcs = Functions { module: module.clone(), loaded: Vec::new() };
             let mut resolve_all = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
-                p.launches.iter().map(|l| resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)).collect()
+                let mut out = Vec::with_capacity(p.launches.len());
+                for l in &p.launches {
+                    let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
+                    indexer_one(&mut r, &mut funcs)?;
+                    out.push(r);
+                }
+                Ok(out)
             };
             let launches = resolve_all(&plan)?;
             let single = resolve_all(&single_plan)?;

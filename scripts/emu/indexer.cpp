@@ -3,6 +3,7 @@
 // rows x compressed rows), in the emulator, and compares every score bit for bit, as well as the
 // bytes neither may write (past each row's visible rows, rows that run nothing). Both are also
 // checked against the canonical order computed on the host (numerics::dot_f32, terms from +0).
+// Built from the decode build's source, it checks indexer_scores_one against indexer_scores.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -78,6 +79,7 @@ static int run(const Config& c) {
         return a;
     };
     const StepParams* P0 = P.data();
+#if DS4_CHUNK_ROWS
     if (c.old) {
         const IndexerScoresArgs a = args(out_old);
         const RowStrides R = row_strides({Q.stride, W.stride, 0, out_old.stride});
@@ -90,6 +92,23 @@ static int run(const Config& c) {
         emu_launch({(std::max(c.cap, 1u) + IDX_BC - 1) / IDX_BC, (c.rows + IDX_BT - 1) / IDX_BT, 1}, IDX_THREADS,
                    [&] { indexer_scores_chunk(P0, cond_rows, R, a); });
     }
+    char what[16];
+    snprintf(what, sizeof what, "tile %ux%u", IDX_MT, IDX_MC);
+#else
+    // The decode build: one row, indexer_scores (a block per compressed row, as plan.rs launches
+    // it) against indexer_scores_one.
+    const RowStrides R{};
+    if (c.old) {
+        const IndexerScoresArgs a = args(out_old);
+        emu_launch({std::min(std::max(c.cap, 1u), 4096u), 1, 1}, 128, [&] { indexer_scores(P0, cond, R, a); });
+    }
+    {
+        const IndexerScoresArgs a = args(out_new);
+        emu_launch({(std::max(c.cap, 1u) + IDX1_ROWS - 1) / IDX1_ROWS, 1, 1}, IDX1_THREADS,
+                   [&] { indexer_scores_one(P0, cond, R, a); });
+    }
+    const char* what = "decode";
+#endif
     int bad = 0;
     u32 n_min = ~0u, n_max = 0, positive = 0, zero = 0, scored = 0;
     for (u32 y = 0; y < c.rows; y++) {
@@ -119,8 +138,9 @@ static int run(const Config& c) {
             }
         }
     }
-    printf("%-34s heads %2u, rows %3u/%3u at %5u, visible %u..%u, cap %4u, tile %ux%u%s: %s (%u scores: %u > 0, %u zero)\n",
-           c.what, nh, c.active, c.rows, c.pos0, n_min, n_max, c.cap, IDX_MT, IDX_MC, c.old ? ", per-row kernel too" : "",
+    if (n_min > n_max) n_min = n_max = 0;
+    printf("%-34s heads %2u, rows %3u/%3u at %5u, visible %u..%u, cap %4u, %s%s: %s (%u scores: %u > 0, %u zero)\n",
+           c.what, nh, c.active, c.rows, c.pos0, n_min, n_max, c.cap, what, c.old ? ", per-row kernel too" : "",
            bad ? "DIFFER" : "same bits", scored, positive, zero);
     return bad;
 }
@@ -128,6 +148,7 @@ static int run(const Config& c) {
 int main(int argc, char** argv) {
     const Config configs[] = {
         // what, heads, ratio, cap, top_k, rows, active, pos0, old
+#if DS4_CHUNK_ROWS
         {"flash heads, 7 rows", 64, 4, 40, 2, 7, 7, 90, true},
         {"flash heads, one row", 64, 4, 80, 4, 1, 1, 283, true},
         {"flash heads, rows turn active", 64, 4, 100, 20, 9, 8, 76, true},
@@ -135,6 +156,13 @@ int main(int argc, char** argv) {
         {"tiny heads, 128 rows, cap reached", 16, 4, 24, 2, 128, 100, 40, true},
         {"flash heads, 128 rows, n > tile", 64, 4, 200, 8, 128, 128, 300, false},
         {"flash heads, 33 rows of 48", 64, 4, 130, 8, 48, 33, 411, false},
+#else
+        {"flash heads, 3 blocks of rows", 64, 4, 100, 4, 1, 1, 330, true},
+        {"flash heads, cap reached", 64, 4, 45, 4, 1, 1, 400, true},
+        {"flash heads, indexer inactive", 64, 4, 100, 90, 1, 1, 330, true},
+        {"tiny heads, few rows", 16, 4, 40, 2, 1, 1, 27, true},
+        {"heads 20 (5 groups)", 20, 4, 70, 2, 1, 1, 255, true},
+#endif
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     int bad = 0;
