@@ -89,6 +89,11 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+// The lane of leaf i when one thread adds 32 lane values in warp_sum's tree: fed in this
+// (bit-reversed) order and merged pairwise as they come, each level's pairs meet as in warp_sum.
+__device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
+    return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
+}
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

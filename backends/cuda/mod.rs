@@ -174,6 +174,47 @@ mod imp {
     }
     const ATTN_CHUNK_KERNEL: &str = "attention_chunk";
 
+    /// The chunk build's indexer scores with a thread per few (token row, compressed row) pairs
+    /// (kernels/indexer.cu: indexer_scores_chunk): the pairs a thread takes, token rows by
+    /// compressed rows. 2x4 by default; `DS4_CUDA_INDEXER_TILE` (MTxMC, each 1, 2 or 4, not 4x4)
+    /// overrides it, and `DS4_CUDA_INDEXER_CHUNK=0` keeps the block per compressed row and token
+    /// row, to measure.
+    fn indexer_chunk_tile() -> Option<(u32, u32)> {
+        if std::env::var("DS4_CUDA_INDEXER_CHUNK").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let want = std::env::var("DS4_CUDA_INDEXER_TILE").ok().and_then(|v| {
+            let (t, c) = v.split_once('x')?;
+            Some((t.parse::<u32>().ok()?, c.parse::<u32>().ok()?))
+        });
+        let ok = |&(t, c): &(u32, u32)| matches!(t, 1 | 2 | 4) && matches!(c, 1 | 2 | 4) && t * c < 16;
+        Some(want.filter(ok).unwrap_or((2, 4)))
+    }
+    const INDEXER_CHUNK_KERNEL: &str = "indexer_scores_chunk";
+    /// indexer_scores_chunk's block: 8 x 16 threads over (token rows, compressed rows).
+    const INDEXER_CHUNK_THREADS: u32 = 128;
+
+    /// The decode build's indexer scores with a lane per compressed row, 32 rows a block, and the
+    /// head dots spread over the block's warps (kernels/indexer.cu: indexer_scores_one; head_dim
+    /// 128, at most 64 heads, a multiple of 4). `DS4_CUDA_INDEXER_DECODE=0` keeps the block per
+    /// compressed row, to measure.
+    fn indexer_one(r: &mut Resolved, funcs: &mut Functions) -> Result<(), BackendError> {
+        if r.kernel != "indexer_scores" || std::env::var("DS4_CUDA_INDEXER_DECODE").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        let a = bytemuck::try_pod_read_unaligned::<args::IndexerScoresArgs>(bytemuck::cast_slice(&r.args))
+            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
+        if a.head_dim == 128 && a.n_head.is_multiple_of(4) && a.n_head <= 64 {
+            r.kernel = INDEXER_ONE_KERNEL;
+            r.func = funcs.get(INDEXER_ONE_KERNEL)?;
+            r.block = 128;
+            r.grid = a.cap.max(1).div_ceil(INDEXER_ONE_ROWS);
+        }
+        Ok(())
+    }
+    const INDEXER_ONE_KERNEL: &str = "indexer_scores_one";
+    const INDEXER_ONE_ROWS: u32 = 32;
+
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
     /// each weight chunk (kernels/matvec.cu: mat_mul_f16, mat_mul_f16_split), in place of the
     /// per-row launches of the kernel each replaces. `DS4_CUDA_F16_CHUNK=0` keeps those, to measure.
@@ -222,8 +263,10 @@ mod imp {
         let chunk = (rows == KernelRows::Chunk) as u32;
         let token_rows = match rows {
             KernelRows::Chunk => {
+                let (mt, mc) = indexer_chunk_tile().unwrap_or((2, 4));
                 format!(
-                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define ATTN_CHUNK_THREADS {}\n",
+                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define ATTN_CHUNK_THREADS {}\n\
+                     #define IDX_MT {mt}\n#define IDX_MC {mc}\n",
                     q8_token_rows(),
                     q8_mma_tokens(),
                     attn_chunk_threads().unwrap_or(256)
@@ -1131,7 +1174,13 @@ mod imp {
             };
             let mut funcs = Functions { module: module.clone(), loaded: Vec::new() };
             let mut resolve_all = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
-                p.launches.iter().map(|l| resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)).collect()
+                let mut out = Vec::with_capacity(p.launches.len());
+                for l in &p.launches {
+                    let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
+                    indexer_one(&mut r, &mut funcs)?;
+                    out.push(r);
+                }
+                Ok(out)
             };
             let launches = resolve_all(&plan)?;
             let single = resolve_all(&single_plan)?;
@@ -1424,6 +1473,21 @@ mod imp {
                                     r.block = t;
                                 }
                             }
+                        }
+                    }
+                    if r.kernel == "indexer_scores" {
+                        let a =
+                            bytemuck::try_pod_read_unaligned::<args::IndexerScoresArgs>(bytemuck::cast_slice(&r.args))
+                                .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
+                        // A block per tile of token rows x compressed rows (the row count in cond
+                        // bits 50..62): same bits, each staged k row and q head feeding several pairs.
+                        if let Some((mt, mc)) = indexer_chunk_tile().filter(|_| a.head_dim == 128 && rows < 1 << 13) {
+                            r.kernel = INDEXER_CHUNK_KERNEL;
+                            r.func = funcs.get(INDEXER_CHUNK_KERNEL)?;
+                            r.block = INDEXER_CHUNK_THREADS;
+                            r.grid = a.cap.max(1).div_ceil(16 * mc);
+                            r.rows = rows.div_ceil(8 * mt);
+                            r.cond |= (rows as u64) << 50;
                         }
                     }
                     launches.push(r);

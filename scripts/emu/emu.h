@@ -87,6 +87,17 @@ template <class T> T __shfl_up_sync(unsigned, T v, unsigned d) {
     return emu_shfl(v, src, src < 0);
 }
 
+inline unsigned __ballot_sync(unsigned, int p) {
+    const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
+    emu_blk->xchg[warp][lane] = p != 0;
+    __syncwarp();
+    unsigned r = 0;
+    for (unsigned l = 0; l < 32 && warp * 32 + l < blockDim.x; l++)
+        if (emu_blk->f[warp * 32 + l].state != EMU_DONE && emu_blk->xchg[warp][l]) r |= 1u << l;
+    __syncwarp();
+    return r;
+}
+
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
 inline int __dp4a(int a, int b, int c) {
