@@ -9,6 +9,26 @@
 // a thread per chunk sums its weights, then one thread adds the chunk sums in order. Output:
 // a thread per (chunk, dim) sums the chunk's rows, batches of chunks held in shared memory, and
 // the thread that owns a dim adds them in order (head_dim <= blockDim, plan.rs checks it).
+// Fused (plan.rs): the inverse RoPE of head h's tail, then the head's Q8_0 quantization for the
+// output projection, as rope_tail and quantize_q8_0 would compute them. The whole block calls it
+// once the head's output is written.
+template <class A> __device__ __forceinline__ void attention_head_tail(const StepParams* P, const A& a, u32 h) {
+    const u32 head_dim = a.head_dim, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float* oh = a.out + (u64)h * head_dim;
+    if (a.rope) {
+        __syncthreads();
+        const u32 pairs = a.n_rot / 2;
+        rope_tail_block(oh + (head_dim - a.n_rot), a.rope + (u64)P->pos * pairs * 2, pairs, true);
+    }
+    if (a.xq) {
+        __syncthreads();
+        for (u32 b = warp; b < head_dim / 32; b += nw) {
+            const u32 blk = h * (head_dim / 32) + b;
+            quantize_q8_0_warp(oh[b * 32 + lane], a.xq, a.xd, blk, lane);
+        }
+    }
+}
+
 #define ATTN_PART 4096
 extern "C" __global__ void __launch_bounds__(1024) attention(DS4_ARGS, AttentionArgs a) {
     DS4_GUARD;
@@ -77,21 +97,7 @@ extern "C" __global__ void __launch_bounds__(1024) attention(DS4_ARGS, Attention
     }
     if (threadIdx.x < head_dim) a.out[(u64)h * head_dim + threadIdx.x] = acc * inv;
 #undef ROW_PTR
-    // Fused (plan.rs): the inverse RoPE of the head's tail, then the head's Q8_0 quantization for
-    // the output projection, as rope_tail and quantize_q8_0 would compute them.
-    float* oh = a.out + (u64)h * head_dim;
-    if (a.rope) {
-        __syncthreads();
-        const u32 pairs = a.n_rot / 2;
-        rope_tail_block(oh + (head_dim - a.n_rot), a.rope + (u64)P->pos * pairs * 2, pairs, true);
-    }
-    if (a.xq) {
-        __syncthreads();
-        for (u32 b = warp; b < head_dim / 32; b += nw) {
-            const u32 blk = h * (head_dim / 32) + b;
-            quantize_q8_0_warp(oh[b * 32 + lane], a.xq, a.xd, blk, lane);
-        }
-    }
+    attention_head_tail(P, a, h);
 }
 
 #if DS4_CHUNK_ROWS
@@ -328,5 +334,267 @@ extern "C" __global__ void __launch_bounds__(ATTN_CHUNK_THREADS, ATTN_CHUNK_MIN_
         for (u32 b = warp; b < n_group * head_dim / 32; b += nw)
             quantize_q8_0_warp(og[b * 32 + lane], a.xq, a.xd, h0 * (head_dim / 32) + b, lane);
     }
+}
+#endif
+
+#if !DS4_CHUNK_ROWS
+// attention's decode form split over the KV rows (plan.rs picks it for a decode program with
+// head_dim <= 512; DS4_CUDA_ATTN_DECODE=0 keeps `attention`). `attention` runs a block per head
+// that reads every visible row twice; here three launches spread the rows over the GPU and read
+// each row from L2 once per group of ATTN_SPLIT_HEADS heads per pass:
+//   attention_scores: a block per (slice of ATTN_SCORE_ROWS rows, head group) stages the slice's
+//     rows in shared memory and stores the group's scores, and each head's max over the slice;
+//   attention_partial: a block per (64-row chunk, head group, slice of blockDim dims): m = the
+//     head's max over the slices and its sink, the chunk's weights, their sum (slice 0), and the
+//     chunk's weighted sum of the rows per (head, dim);
+//   attention_combine: a block per head adds the chunk sums in order, scales, then the fused RoPE
+//     and Q8_0 tail.
+// Every (row, head) gets `attention`'s bits: the same dot (chunk_dot_f32's lane order, the
+// butterfly, + onto 0), exp(s - m) with the same m (max is order-free), each chunk's weights and
+// weighted rows added sequentially from +0, denom = exp(sink - m) + the chunk sums in order, out =
+// (0 + the chunks' sums in order) * (1 / denom). Scratch (plan.rs): `maxes` [slice][head], `sums`
+// [1 + chunk][head] (row 0: m), `parts` [chunk][head][dim]. ATTN_SPLIT_HEADS, ATTN_SCORE_ROWS,
+// ATTN_SCORE_THREADS and ATTN_SUM_THREADS come from plan.rs, which sizes the grids and scratch
+// by them (mod.rs: kernel_source).
+#define ATTN_WARP_HEADS 4  // heads per warp in attention_scores, their q in registers
+#define ATTN_HEAD_SETS (ATTN_SPLIT_HEADS / ATTN_WARP_HEADS)
+#define ATTN_ROW_SETS (ATTN_SCORE_THREADS / 32 / ATTN_HEAD_SETS)
+static_assert(ATTN_SPLIT_HEADS % ATTN_WARP_HEADS == 0 && ATTN_ROW_SETS >= 1, "whole head sets per block");
+static_assert(ATTN_SPLIT_HEADS % 4 == 0, "the weights of a row as float4s");
+static_assert(ATTN_SCORE_ROWS <= ATTN_SCORE_THREADS && ATTN_SUM_THREADS >= DS4_ATTN_ROW_CHUNK, "a thread per row pointer");
+static_assert(ATTN_SPLIT_HEADS == 16 && ATTN_SUM_THREADS % 32 == 0, "attention_partial: lanes l and l ^ 16 share a head");
+
+// The visible rows of this token, as `attention` counts them: the raw rows oldest first (raw row
+// r at ring index (ring0 + r) % raw_cap), then the visible compressed rows ascending.
+struct AttnRows {
+    u32 n_raw, n_rows, ring0;
+    bool indexed;
+};
+template <class A> __device__ __forceinline__ AttnRows attn_rows(const StepParams* P, const A& a) {
+    AttnRows v;
+    v.n_raw = ds4_raw_rows(P, a.window, a.raw_cap);
+    const u32 n_comp = ds4_comp_rows(P, a.ratio, a.comp_cap);
+    v.indexed = a.selected != 0 && n_comp > a.top_k;
+    v.n_rows = v.n_raw + (v.indexed ? a.top_k : n_comp);
+    v.ring0 = (P->pos + 1 - v.n_raw) % a.raw_cap;
+    return v;
+}
+template <class A> __device__ __forceinline__ const float* attn_row(const A& a, const AttnRows& v, u32 r) {
+    if (r < v.n_raw) {
+        const u32 i = v.ring0 + r;
+        return a.raw + (u64)(i < a.raw_cap ? i : i - a.raw_cap) * a.head_dim;
+    }
+    return a.comp + (u64)(v.indexed ? a.selected[r - v.n_raw] : (int)(r - v.n_raw)) * a.head_dim;
+}
+// fmaxf's identity: fmaxf(NaN, x) = x, so a max that starts here is the max over a set whatever
+// its grouping (NaN only when every value is NaN, as in `attention`).
+#define ATTN_MAX_NONE __int_as_float(0x7fc00000)
+
+// Grid: slices of ATTN_SCORE_ROWS rows x head groups (group fastest, so that the groups of a
+// slice read its rows from L2 close together). Warp w holds q of ATTN_WARP_HEADS heads (head set
+// w % ATTN_HEAD_SETS) in registers and takes every ATTN_ROW_SETS-th row of the slice.
+extern "C" __global__ void __launch_bounds__(ATTN_SCORE_THREADS) attention_scores(DS4_ARGS, AttentionScoresArgs a) {
+    DS4_GUARD;
+    __shared__ __align__(16) float tile[ATTN_SCORE_ROWS * 512];
+    __shared__ const float* rowp[ATTN_SCORE_ROWS];
+    __shared__ float wmax[ATTN_SCORE_THREADS / 32][ATTN_WARP_HEADS];
+    const AttnRows v = attn_rows(P, a);
+    const u32 n_groups = (a.n_head + ATTN_SPLIT_HEADS - 1) / ATTN_SPLIT_HEADS;
+    const u32 g = blockIdx.x % n_groups, slice = blockIdx.x / n_groups, r0 = slice * ATTN_SCORE_ROWS;
+    if (r0 >= v.n_rows) return;
+    const u32 nj = min((u32)ATTN_SCORE_ROWS, v.n_rows - r0);
+    const u32 head_dim = a.head_dim, quads = head_dim / 4;
+    const u32 h0 = g * ATTN_SPLIT_HEADS, n_group = min((u32)ATTN_SPLIT_HEADS, a.n_head - h0);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x < nj) rowp[threadIdx.x] = attn_row(a, v, r0 + threadIdx.x);
+    // q of this warp's heads (zeros past the group or head_dim), loaded while the rows are found.
+    const u32 hs = warp % ATTN_HEAD_SETS, rs = warp / ATTN_HEAD_SETS;
+    float4 q[ATTN_WARP_HEADS][4];
+#pragma unroll
+    for (u32 k = 0; k < ATTN_WARP_HEADS; k++) {
+        const u32 hh = hs * ATTN_WARP_HEADS + k;
+#pragma unroll
+        for (u32 u = 0; u < 4; u++) {
+            const u32 i = u * 128 + lane * 4;
+            q[k][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (i < head_dim && hh < n_group) q[k][u] = *(const float4*)(a.q + (u64)(h0 + hh) * head_dim + i);
+        }
+    }
+    __syncthreads();
+    // The slice's rows into shared memory: all loads first, then the stores.
+    constexpr u32 LOADS = ATTN_SCORE_ROWS * 128 / ATTN_SCORE_THREADS;
+    float4 buf[LOADS];
+#pragma unroll
+    for (u32 k = 0; k < LOADS; k++) {
+        const u32 f = threadIdx.x + k * ATTN_SCORE_THREADS;
+        if (f < nj * quads) buf[k] = *(const float4*)(rowp[f / quads] + 4 * (f % quads));
+    }
+#pragma unroll
+    for (u32 k = 0; k < LOADS; k++) {
+        const u32 f = threadIdx.x + k * ATTN_SCORE_THREADS;
+        if (f < nj * quads) *(float4*)(tile + f * 4) = buf[k];
+    }
+    __syncthreads();
+    float mx[ATTN_WARP_HEADS];
+#pragma unroll
+    for (u32 k = 0; k < ATTN_WARP_HEADS; k++) mx[k] = ATTN_MAX_NONE;
+    for (u32 j = rs; j < nj; j += ATTN_ROW_SETS) {
+        // chunk_dot_f32's lane sums of the row against each head (the row's float4 read once).
+        float acc[ATTN_WARP_HEADS];
+#pragma unroll
+        for (u32 k = 0; k < ATTN_WARP_HEADS; k++) acc[k] = 0.0f;
+#pragma unroll
+        for (u32 u = 0; u < 4; u++) {
+            const u32 i = u * 128 + lane * 4;
+            if (i < head_dim) {
+                const float4 y = *(const float4*)(tile + j * head_dim + i);
+#pragma unroll
+                for (u32 k = 0; k < ATTN_WARP_HEADS; k++) {
+                    acc[k] += q[k][u].x * y.x;
+                    acc[k] += q[k][u].y * y.y;
+                    acc[k] += q[k][u].z * y.z;
+                    acc[k] += q[k][u].w * y.w;
+                }
+            }
+        }
+#pragma unroll
+        for (u32 k = 0; k < ATTN_WARP_HEADS; k++) {
+            float d = 0.0f;
+            d += warp_sum(acc[k]);
+            const float s = d * a.kq_scale;
+            const u32 hh = hs * ATTN_WARP_HEADS + k;
+            if (hh < n_group) {
+                if (lane == 0) a.scores[(u64)(h0 + hh) * a.max_rows + r0 + j] = s;
+                mx[k] = fmaxf(mx[k], s);
+            }
+        }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (u32 k = 0; k < ATTN_WARP_HEADS; k++) wmax[warp][k] = mx[k];
+    __syncthreads();
+    if (threadIdx.x < n_group) {
+        const u32 hs2 = threadIdx.x / ATTN_WARP_HEADS, k = threadIdx.x % ATTN_WARP_HEADS;
+        float m = ATTN_MAX_NONE;
+        for (u32 r = 0; r < ATTN_ROW_SETS; r++) m = fmaxf(m, wmax[r * ATTN_HEAD_SETS + hs2][k]);
+        a.maxes[(u64)slice * a.n_head + h0 + threadIdx.x] = m;
+    }
+}
+
+// Grid: 64-row chunks x head groups x dim slices (slice fastest); ATTN_SUM_THREADS (>= 64, the
+// block size) dims per slice. Thread d owns dim d of the slice for all the group's heads, so each value of a row is
+// read by one thread of the block; the chunk's values are loaded into registers first, and
+// arrive while the weights are computed.
+extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial(DS4_ARGS, AttentionPartialArgs a) {
+    DS4_GUARD;
+    __shared__ const float* rowp[DS4_ATTN_ROW_CHUNK];
+    __shared__ __align__(16) float wsh[DS4_ATTN_ROW_CHUNK * ATTN_SPLIT_HEADS];  // [row][head]
+    __shared__ float wmax[ATTN_SUM_THREADS / 32][ATTN_SPLIT_HEADS];
+    __shared__ float m_sh[ATTN_SPLIT_HEADS];
+    const AttnRows v = attn_rows(P, a);
+    const u32 head_dim = a.head_dim;
+    const u32 n_groups = (a.n_head + ATTN_SPLIT_HEADS - 1) / ATTN_SPLIT_HEADS;
+    const u32 n_dslices = (head_dim + ATTN_SUM_THREADS - 1) / ATTN_SUM_THREADS;
+    const u32 ds = blockIdx.x % n_dslices, g = blockIdx.x / n_dslices % n_groups;
+    const u32 c = blockIdx.x / n_dslices / n_groups, r0 = c * DS4_ATTN_ROW_CHUNK;
+    if (r0 >= v.n_rows) return;
+    const u32 nj = min((u32)DS4_ATTN_ROW_CHUNK, v.n_rows - r0);
+    const u32 h0 = g * ATTN_SPLIT_HEADS, n_group = min((u32)ATTN_SPLIT_HEADS, a.n_head - h0);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 d = ds * ATTN_SUM_THREADS + threadIdx.x;
+    // Everything this block reads that no other load depends on is requested at once: the row
+    // addresses (through `selected`), the chunk's scores (thread t: rows t / 16 + k * stride,
+    // head t % 16), the slices' maxes and the sinks.
+    if (threadIdx.x < nj) rowp[threadIdx.x] = attn_row(a, v, r0 + threadIdx.x);
+    constexpr u32 WEIGHTS = DS4_ATTN_ROW_CHUNK * ATTN_SPLIT_HEADS / ATTN_SUM_THREADS;
+    const u32 hh = threadIdx.x % ATTN_SPLIT_HEADS, j0 = threadIdx.x / ATTN_SPLIT_HEADS;
+    constexpr u32 JSTEP = ATTN_SUM_THREADS / ATTN_SPLIT_HEADS;
+    float sc[WEIGHTS];
+#pragma unroll
+    for (u32 k = 0; k < WEIGHTS; k++) {
+        const u32 j = j0 + k * JSTEP;
+        sc[k] = hh < n_group && j < nj ? a.scores[(u64)(h0 + hh) * a.max_rows + r0 + j] : 0.0f;
+    }
+    const float sink = hh < n_group ? a.sinks[h0 + hh] : 0.0f;
+    // m per head: the sink and the slices' maxes (attention_scores); thread t takes head t % 16
+    // of every JSTEP-th slice.
+    const u32 n_slices = (v.n_rows + ATTN_SCORE_ROWS - 1) / ATTN_SCORE_ROWS;
+    float mx = ATTN_MAX_NONE;
+    if (hh < n_group)
+        for (u32 s = j0; s < n_slices; s += JSTEP) mx = fmaxf(mx, a.maxes[(u64)s * a.n_head + h0 + hh]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    if (lane < ATTN_SPLIT_HEADS) wmax[warp][lane] = mx;
+    __syncthreads();
+    // The chunk's values of dim d into registers; they arrive while the weights are computed.
+    float val[DS4_ATTN_ROW_CHUNK];
+#pragma unroll
+    for (u32 j = 0; j < DS4_ATTN_ROW_CHUNK; j++) val[j] = j < nj && d < head_dim ? rowp[j][d] : 0.0f;
+    if (threadIdx.x < ATTN_SPLIT_HEADS) {
+        float m = sink;
+        for (u32 w = 0; w < ATTN_SUM_THREADS / 32; w++) m = fmaxf(m, wmax[w][threadIdx.x]);
+        m_sh[threadIdx.x] = m;
+    }
+    __syncthreads();
+    // The chunk's weights, [row][head]; zero past the rows and the group.
+#pragma unroll
+    for (u32 k = 0; k < WEIGHTS; k++) {
+        const u32 j = j0 + k * JSTEP;
+        wsh[j * ATTN_SPLIT_HEADS + hh] = hh < n_group && j < nj ? ds4_expf(sc[k] - m_sh[hh]) : 0.0f;
+    }
+    __syncthreads();
+    // Slice 0: the chunk's weight sum per head, sequentially from +0 (and chunk 0: m per head).
+    if (ds == 0 && threadIdx.x < n_group) {
+        const u32 k = threadIdx.x;
+        float s = 0.0f;
+#pragma unroll 16
+        for (u32 j = 0; j < nj; j++) s += wsh[j * ATTN_SPLIT_HEADS + k];
+        a.sums[(u64)(1 + c) * a.n_head + h0 + k] = s;
+        if (c == 0) a.sums[h0 + k] = m_sh[k];
+    }
+    if (d >= head_dim) return;
+    // The chunk's weighted sum of dim d per head, sequentially from +0.
+    float p[ATTN_SPLIT_HEADS];
+#pragma unroll
+    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++) p[k] = 0.0f;
+#pragma unroll
+    for (u32 j = 0; j < DS4_ATTN_ROW_CHUNK; j++) {
+        if (j < nj) {
+#pragma unroll
+            for (u32 k4 = 0; k4 < ATTN_SPLIT_HEADS; k4 += 4) {
+                const float4 w = *(const float4*)(wsh + j * ATTN_SPLIT_HEADS + k4);
+                p[k4 + 0] += w.x * val[j];
+                p[k4 + 1] += w.y * val[j];
+                p[k4 + 2] += w.z * val[j];
+                p[k4 + 3] += w.w * val[j];
+            }
+        }
+    }
+#pragma unroll
+    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++)
+        if (k < n_group) a.parts[((u64)c * a.n_head + h0 + k) * head_dim + d] = p[k];
+}
+
+// A block per head, a thread per dim (blockDim >= head_dim): the chunks' sums in order, the
+// denominator, the scale, then the fused tail as `attention`'s.
+extern "C" __global__ void __launch_bounds__(512) attention_combine(DS4_ARGS, AttentionCombineArgs a) {
+    DS4_GUARD;
+    __shared__ float inv_sh;
+    const AttnRows v = attn_rows(P, a);
+    const u32 h = blockIdx.x, head_dim = a.head_dim;
+    const u32 n_chunks = (v.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+    if (threadIdx.x == 0) {
+        float denom = ds4_expf(a.sinks[h] - a.sums[h]);
+#pragma unroll 8
+        for (u32 c = 0; c < n_chunks; c++) denom += a.sums[(u64)(1 + c) * a.n_head + h];
+        inv_sh = 1.0f / denom;
+    }
+    float acc = 0.0f;
+    const u32 d = threadIdx.x;
+    if (d < head_dim)
+#pragma unroll 8
+        for (u32 c = 0; c < n_chunks; c++) acc += a.parts[((u64)c * a.n_head + h) * head_dim + d];
+    __syncthreads();
+    if (d < head_dim) a.out[(u64)h * head_dim + d] = acc * inv_sh;
+    attention_head_tail(P, a, h);
 }
 #endif

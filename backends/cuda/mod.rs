@@ -279,7 +279,15 @@ mod imp {
             .split_whitespace()
             .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
             .collect();
-        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{tuning}")
+        // The decode attention's split shape, which plan.rs sizes its grids and scratch by.
+        let split = format!(
+            "#define ATTN_SPLIT_HEADS {}\n#define ATTN_SCORE_ROWS {}\n#define ATTN_SCORE_THREADS {}\n#define ATTN_SUM_THREADS {}\n",
+            plan::ATTN_SPLIT_HEADS,
+            plan::attn_score_rows(),
+            plan::ATTN_SCORE_THREADS,
+            plan::attn_sum_threads()
+        );
+        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{split}{tuning}")
             + &args::c_header()
             + "\n"
             + &SOURCES.join("\n")

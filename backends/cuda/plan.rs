@@ -30,9 +30,16 @@ pub enum Scratch {
     MoeRoute,
     /// A chunk row's down projection of each slot, before moe_sum_slots adds them.
     MoeParts,
+    /// The split decode attention (kernels/attention.cu): each head's score max per slice of
+    /// [`attn_score_rows`] rows.
+    AttnMaxes,
+    /// The split decode attention: each head's max, then its weight sum per 64-row chunk.
+    AttnSums,
+    /// The split decode attention: each chunk's weighted sum of the rows per (head, dim).
+    AttnParts,
 }
 
-pub const SCRATCH_KINDS: [Scratch; 12] = [
+pub const SCRATCH_KINDS: [Scratch; 15] = [
     Scratch::Q8Qs,
     Scratch::Q8D,
     Scratch::Q8KX,
@@ -45,6 +52,9 @@ pub const SCRATCH_KINDS: [Scratch; 12] = [
     Scratch::HcSumSq,
     Scratch::MoeRoute,
     Scratch::MoeParts,
+    Scratch::AttnMaxes,
+    Scratch::AttnSums,
+    Scratch::AttnParts,
 ];
 
 impl Scratch {
@@ -99,6 +109,26 @@ const MOE_ROUTE_MAX_EXPERTS: u32 = 1024;
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
 const SPLIT_K_ROWS: usize = 2048;
 
+/// The decode attention split over its KV rows (kernels/attention.cu: attention_scores,
+/// attention_partial, attention_combine; mod.rs passes its shape to the kernels): heads per group
+/// (each KV row is read from L2 once per group and pass), and the scores block's threads.
+pub const ATTN_SPLIT_HEADS: u32 = 16;
+pub const ATTN_SCORE_THREADS: u32 = 256;
+
+/// Rows per scores block of the split decode attention: 16, or 8 with
+/// `DS4_CUDA_ATTN_SCORE_ROWS=8` (twice the blocks), to measure.
+pub fn attn_score_rows() -> u32 {
+    let n = std::env::var("DS4_CUDA_ATTN_SCORE_ROWS").ok().and_then(|v| v.parse::<u32>().ok());
+    n.filter(|n| matches!(n, 8 | 16)).unwrap_or(16)
+}
+
+/// Dims (threads) per weighted-sum block of the split decode attention: 128, or 64 or 256 with
+/// `DS4_CUDA_ATTN_SUM_THREADS`, to measure.
+pub fn attn_sum_threads() -> u32 {
+    let n = std::env::var("DS4_CUDA_ATTN_SUM_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
+    n.filter(|n| matches!(n, 64 | 128 | 256)).unwrap_or(128)
+}
+
 /// Set on every launch of a chunk program: the kernel skips a row whose StepParams count is 0 (a
 /// row past the chunk's tokens). Decode launches leave it clear and never read the count.
 pub const CHUNK_ROW: u64 = 1 << 63;
@@ -144,6 +174,9 @@ struct Builder<'a> {
     expert_cache: bool,
     /// MoE layers planned so far: the index of each layer's cache state.
     moe_layers: u32,
+    /// Whether a decode program's attention runs split over its KV rows (three launches) rather
+    /// than as one block per head.
+    split_attention: bool,
 }
 
 fn b(x: Buf) -> Ptr {
@@ -363,6 +396,53 @@ impl<'a> Builder<'a> {
             }
         }
         None
+    }
+
+    /// The decode attention split over its KV rows, up to `vis` of them: scores per (slice of
+    /// rows, head group), each 64-row chunk's weights and weighted sum per (chunk, head group, dim
+    /// slice), and the chunks added in order per head (kernels/attention.cu). Every grid covers
+    /// `vis` rows; the blocks past this token's rows return at once.
+    fn attention_split(&mut self, a: AttentionArgs, vis: u32) {
+        let (n_head, head_dim) = (a.n_head as usize, a.head_dim as usize);
+        let (score_rows, sum_threads) = (attn_score_rows(), attn_sum_threads());
+        let groups = n_head.div_ceil(ATTN_SPLIT_HEADS as usize) as u32;
+        let slices = vis.div_ceil(score_rows);
+        let chunks = vis.div_ceil(numerics::ATTN_ROW_CHUNK as u32);
+        let dim_slices = a.head_dim.div_ceil(sum_threads);
+        self.need(Scratch::AttnMaxes, slices as usize * n_head * 4);
+        self.need(Scratch::AttnSums, (1 + chunks as usize) * n_head * 4);
+        self.need(Scratch::AttnParts, chunks as usize * n_head * head_dim * 4);
+        let a = AttentionScoresArgs {
+            q: a.q,
+            raw: a.raw,
+            comp: a.comp,
+            selected: a.selected,
+            sinks: a.sinks,
+            out: a.out,
+            scores: a.scores,
+            rope: a.rope,
+            xq: a.xq,
+            xd: a.xd,
+            maxes: Scratch::AttnMaxes.ptr(),
+            sums: Scratch::AttnSums.ptr(),
+            parts: Scratch::AttnParts.ptr(),
+            head_dim: a.head_dim,
+            window: a.window,
+            raw_cap: a.raw_cap,
+            ratio: a.ratio,
+            comp_cap: a.comp_cap,
+            top_k: a.top_k,
+            max_rows: a.max_rows,
+            kq_scale: a.kq_scale,
+            n_rot: a.n_rot,
+            n_head: a.n_head,
+        };
+        self.launch(slices * groups, ATTN_SCORE_THREADS, a);
+        // The three kernels take the same fields (args.rs).
+        let partial: AttentionPartialArgs = bytemuck::cast(a);
+        self.launch(chunks * groups * dim_slices, sum_threads, partial);
+        let combine: AttentionCombineArgs = bytemuck::cast(a);
+        self.launch(a.n_head, a.head_dim.next_multiple_of(32), combine);
     }
 
     /// A dense matvec; Q8_0 weights first quantize the whole input per 32.
@@ -1035,7 +1115,19 @@ impl<'a> Builder<'a> {
                     n_rot: rope_rot,
                     n_head,
                 };
-                self.launch(n_head, 1024, a);
+                // The split form's scores hold one chunk of the dot (head_dim <= 512).
+                if self.split_attention && head_dim as usize <= numerics::CHUNK {
+                    // Visible rows at most: the window's (not the ring's), and top_k compressed
+                    // rows once the indexer selects.
+                    let comp_vis = match (comp, selected) {
+                        (None, _) => 0,
+                        (Some(_), Some(_)) => comp_rows.cap.min(top_k),
+                        (Some(_), None) => comp_rows.cap,
+                    };
+                    self.attention_split(a, window.min(raw_rows.cap) + comp_vis);
+                } else {
+                    self.launch(n_head, 1024, a);
+                }
                 if xq != Ptr::NULL {
                     self.q8_of = Some((out, self.cond, self.op));
                 }
@@ -1232,6 +1324,13 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 ///
 /// With `expert_cache`, each MoE layer first runs the expert cache's two launches (placement
 /// "host": routed experts in host memory, cached in device memory).
+/// Whether a decode program's attention may run split over its KV rows (kernels/attention.cu:
+/// attention_scores, attention_partial, attention_combine); `DS4_CUDA_ATTN_DECODE=0` keeps the
+/// block per head (`attention`), to compare.
+fn split_attention() -> bool {
+    std::env::var("DS4_CUDA_ATTN_DECODE").map_or(true, |v| v != "0")
+}
+
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
     plan_experts(program, fuse, expert_cache, true)
 }
@@ -1259,6 +1358,7 @@ pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, group_exp
         q8k_of: None,
         ss_of: None,
         tickets: 0,
+        split_attention: program.tokens().is_none() && split_attention(),
     };
     for (i, step) in program.steps().iter().enumerate() {
         if b.done[i] {
@@ -1547,6 +1647,47 @@ mod tests {
         }
     }
 
+    /// A decode program's attention runs split over its KV rows: three launches whose grids
+    /// cover the rows a layer can see (the window, and top_k compressed rows once the indexer
+    /// selects; not the whole ring or cache), with scratch for them. A chunk program keeps
+    /// `attention`, which build_chunk replaces by its chunk form.
+    #[test]
+    fn decode_attention_splits_over_its_rows() {
+        let model = synth::device_model(&Preset::flash_4l(), 1).unwrap();
+        let ctx = 32768;
+        let program = record_token(&model, Caps { ctx }).unwrap();
+        for fuse in [false, true] {
+            let p = plan(&program, fuse, false).unwrap();
+            let mut layers = [0; 3];
+            for (k, step) in program.steps().iter().enumerate() {
+                let Op::Attention { comp, selected, .. } = step.op else { continue };
+                let ls: Vec<&Launch> = p.launches.iter().filter(|l| l.ops.contains(&k)).collect();
+                let kernels: Vec<&str> = ls.iter().map(|l| l.kernel).collect();
+                assert_eq!(kernels, ["attention_scores", "attention_partial", "attention_combine"]);
+                // Visible rows: the window of 128, then 512 selected or ctx / 128 compressed rows.
+                let (kind, vis) = match (comp, selected) {
+                    (None, _) => (0, 128),
+                    (Some(_), Some(_)) => (1, 128 + 512),
+                    (Some(_), None) => (2, 128 + ctx / 128),
+                };
+                layers[kind] += 1;
+                // 4 groups of 16 heads; rows in slices of 16 and chunks of 64; 512 dims in 4 slices.
+                assert_eq!((ls[0].grid, ls[0].block), (vis.div_ceil(16) * 4, 256));
+                assert_eq!((ls[1].grid, ls[1].block), (vis.div_ceil(64) * 4 * 4, 128));
+                assert_eq!((ls[2].grid, ls[2].block), (64, 512));
+                assert!(ls.iter().all(|l| l.cond == ls[0].cond && l.args[..10] == ls[0].args[..10]));
+            }
+            assert_eq!(layers, [2, 1, 1], "flash-4l: two dense layers, then ratios 4 and 128");
+            let need = |k: Scratch| p.scratch.iter().find(|(s, _)| *s == k).map_or(0, |&(_, b)| b);
+            assert_eq!(need(Scratch::AttnMaxes), 40 * 64 * 4);
+            assert_eq!(need(Scratch::AttnSums), 11 * 64 * 4);
+            assert_eq!(need(Scratch::AttnParts), 10 * 64 * 512 * 4);
+        }
+        let chunk = crate::decode::record(&model, Caps { ctx: 256 }, 8, 8).unwrap();
+        let kernels: Vec<&str> = plan(&chunk, true, false).unwrap().launches.iter().map(|l| l.kernel).collect();
+        assert!(kernels.contains(&"attention") && !kernels.iter().any(|k| k.starts_with("attention_")));
+    }
+
     /// Every MoE layer of the token's (fused) plan forks once, and so does every compressed
     /// layer's attention half: the shared expert's launches, or the compressor lanes' launches,
     /// and only they, run on the side stream right after the main run, and the next launch joins
@@ -1649,7 +1790,7 @@ mod tests {
                     // (word of the output, word of xq) for the launches that quantize their output.
                     let quantizes = match l.kernel {
                         "rms_norm" => Some((2, 3)),
-                        "attention" => Some((5, 8)),
+                        "attention" | "attention_combine" => Some((5, 8)),
                         "swiglu" => Some((2, 3)),
                         "hc_pre" => Some((11, 12)),
                         _ => None,

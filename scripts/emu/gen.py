@@ -1,4 +1,4 @@
-# Builds kern.inc for the emulator: the chunk build's generated header, common.cuh, then the
+# Builds kern.inc for the emulator: a build's generated header (decode or chunk), common.cuh, then the
 # kernel files named (from kernels/, in the order given).
 #   gen.py CHUNK_SOURCE REPO NATIVE OUT FILE...
 import sys
