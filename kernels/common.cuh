@@ -89,6 +89,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+// The lane whose term leaf i (0..31) of the butterfly's tree is, in the order that lets the tree
+// be added leaf by leaf: leaves 2j and 2j + 1 are lanes l and l ^ 16, the butterfly's first pair,
+// and so on up (the chunk build's tensor-core products add their block terms this way).
+__device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
+    return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
+}
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

@@ -121,10 +121,6 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
 #define Q8_MMA_TILES (Q8_MMA_TOKENS / 8)
 static_assert(DS4_BLOCK_CHUNK == 32, "the bit-reversed leaf order is 5 bits");
 
-__device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
-    return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
-}
-
 // Token row t of the tile, or the first active one when t is not active.
 __device__ __forceinline__ u32 mma_token(u32 active, u32 first, u32 t) { return ((active >> t) & 1) ? t : first; }
 

@@ -111,6 +111,24 @@ fn pack_cond(c: Option<Cond>) -> u64 {
     }
 }
 
+/// How a chunk program runs its routed experts (every way gives the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkExperts {
+    /// The decode kernels, a launch per row.
+    PerRow,
+    /// Grouped by expert on CUDA cores (kernels/moe.cu `moe_gate_up_grouped*`, `moe_down_grouped`).
+    Grouped,
+    /// Grouped by expert, IQ2_XXS gate/up and Q2_K down on int8 tensor cores
+    /// (`moe_gate_up_mma_iq2_xxs`, `moe_down_mma_q2_k`; the split block layout only); other
+    /// types as [`ChunkExperts::Grouped`].
+    GroupedMma,
+}
+
+/// Mid rows per warp of `moe_gate_up_mma_iq2_xxs` and output rows per warp of `moe_down_mma_q2_k`
+/// (kernels/moe.cu: MOE_MMA_MID_ROWS, MOE_MMA_DOWN_ROWS); 8 warps a block.
+const MOE_MMA_MID_ROWS: usize = 8;
+const MOE_MMA_DOWN_ROWS: usize = 16;
+
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
 }
@@ -119,8 +137,8 @@ struct Builder<'a> {
     program: &'a Program,
     /// Whether runs of ops may share a launch (the graph's plan); off for op-by-op execution.
     fuse: bool,
-    /// Whether a chunk program's routed experts run grouped by expert.
-    group_experts: bool,
+    /// How a chunk program's routed experts run.
+    experts: ChunkExperts,
     /// Ops already computed by an earlier op's launch.
     done: Vec<bool>,
     launches: Vec<Launch>,
@@ -252,10 +270,17 @@ impl<'a> Builder<'a> {
             _pad: 0,
         };
         self.launch(1, 1024, route);
-        // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
-        self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
-        if gu.gate_ty == GgmlType::IQ2_XXS as u32 {
-            self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_grouped_iq2_xxs";
+        let mma = self.experts == ChunkExperts::GroupedMma;
+        if mma && gu.gate_ty == GgmlType::IQ2_XXS as u32 {
+            // A warp per 8 mid rows (a tile of their gate and up rows) of an expert, 8 warps a block.
+            self.launch(n_expert * blocks(ff / MOE_MMA_MID_ROWS, 8), 256, gu);
+            self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_mma_iq2_xxs";
+        } else {
+            // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
+            self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
+            if gu.gate_ty == GgmlType::IQ2_XXS as u32 {
+                self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_grouped_iq2_xxs";
+            }
         }
         let q = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
         self.launch((n_used * ff / 256) as u32, 256, q);
@@ -272,8 +297,14 @@ impl<'a> Builder<'a> {
             n_expert,
             _pad: 0,
         };
-        // A warp per two output rows of an expert, 8 warps a block.
-        self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
+        if mma && down_ty == GgmlType::Q2_K as u32 {
+            // A warp per 16 output rows of an expert, 8 warps a block.
+            self.launch(n_expert * blocks(out_dim.div_ceil(MOE_MMA_DOWN_ROWS), 8), 256, d);
+            self.launches.last_mut().expect("just launched").kernel = "moe_down_mma_q2_k";
+        } else {
+            // A warp per two output rows of an expert, 8 warps a block.
+            self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
+        }
         let s =
             MoeSumSlotsArgs { parts: Scratch::MoeParts.ptr(), out: b(out), out_dim: out_dim as u32, n_used: gu.n_used };
         self.launch(blocks(out_dim, 256), 256, s);
@@ -1094,7 +1125,7 @@ impl<'a> Builder<'a> {
                 // more than 8192 pairs) row by row as below, which gives the same bits.
                 let rows = self.program.rows() as usize;
                 if rows > 1
-                    && self.group_experts
+                    && self.experts != ChunkExperts::PerRow
                     && !self.expert_cache
                     && ff.is_multiple_of(256)
                     && n_expert <= MOE_ROUTE_MAX_EXPERTS
@@ -1233,12 +1264,11 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 /// With `expert_cache`, each MoE layer first runs the expert cache's two launches (placement
 /// "host": routed experts in host memory, cached in device memory).
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
-    plan_experts(program, fuse, expert_cache, true)
+    plan_experts(program, fuse, expert_cache, ChunkExperts::Grouped)
 }
 
-/// [`plan`], choosing whether a chunk program runs its routed experts grouped by expert
-/// (`group_experts`) or row by row (the same bits).
-pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, group_experts: bool) -> Result<Plan, String> {
+/// [`plan`], choosing how a chunk program runs its routed experts (the same bits every way).
+pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, experts: ChunkExperts) -> Result<Plan, String> {
     if program.rows() > 1 && expert_cache {
         return Err("a chunk program cannot run with the expert cache (placement host)".into());
     }
@@ -1246,7 +1276,7 @@ pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, group_exp
         program,
         fuse,
         expert_cache,
-        group_experts,
+        experts,
         moe_layers: 0,
         done: vec![false; program.steps().len()],
         group: Vec::new(),
