@@ -977,15 +977,63 @@ __device__ __forceinline__ u32 next_leaf(u32 L, u32 nb, u32 end) {
     return L;
 }
 
-// Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, as iq2_xxs_sub applies
-// them: weights 0-3 in lo, 4-7 in hi.
-__device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u64* grid, u32* lo, u32* hi) {
-    const u64 g = grid[(aux0 >> (8 * l)) & 255];
-    u32 signs = (aux1 >> (7 * l)) & 127;
-    signs |= (u32)(__popc(signs) & 1) << 7;
-    const u32 slo = spread4(signs), shi = spread4(signs >> 4);
-    *lo = ((u32)g ^ (slo * 0xffu)) + slo;
-    *hi = ((u32)(g >> 32) ^ (shi * 0xffu)) + shi;
+// The tensor-core gate/up decodes an IQ2_XXS grid entry with two byte permutes: weight j's
+// selector nibble is its grid byte's code (0, 1, 2 for 8, 25, 43: the grid's only bytes) plus 4
+// when its sign is set, and picks from the 8 bytes 8, 25, 43, 0, -8, -25, -43, 0 (the bytes
+// iq2_xxs_sub's (v ^ 0xff) + 1 makes). The codes of each entry come from a 256-word table (code of
+// byte j at bit 4j), the sign bits from a 128-word table of the sign fields or by shifts.
+#define IQ2_PRMT_POS 0x002b1908u
+#define IQ2_PRMT_NEG 0x00d5e7f8u
+// Which rows take their sign bits from the table (smem loads, which conflict on the banks) rather
+// than from shifts (ALU): 0 none, 1 the gate rows, 2 gate and up. To measure:
+// DS4_CUDA_DEFINES="MOE_MMA_SIGN_TABLE=2".
+#ifndef MOE_MMA_SIGN_TABLE
+#define MOE_MMA_SIGN_TABLE 1
+#endif
+
+// PTX prmt: byte n of the result is byte c_n & 7 of b:a (a the low four), c_n the selector's
+// nibble n (bit 3 set would replicate that byte's sign; the nibbles here never set it). Unlike
+// __byte_perm it needs no mask of the selector. (scripts/emu/gen.py maps the asm to the emulator's.)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Sign field s (7 bits) and its parity bit (the count of negatives is even) at bits 4j + 2.
+__device__ __forceinline__ u32 iq2_sign_nibbles(u32 s) {
+    u32 x = s | (u32)(__popc(s) & 1) << 7;
+    x = (x | x << 12) & 0x000f000fu;
+    x = (x | x << 6) & 0x03030303u;
+    x = (x | x << 3) & 0x11111111u;
+    return x << 2;
+}
+
+// The two tables in shared memory, filled by the whole block (every thread must call this).
+__device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u32* signs) {
+    for (u32 i = threadIdx.x; i < 256; i += blockDim.x) {
+        const u64 g = grid[i];
+        u32 c = 0;
+#pragma unroll
+        for (u32 j = 0; j < 8; j++) {
+            const u32 v = (u32)(g >> (8 * j)) & 255;
+            c |= ((u32)(v > 8) + (u32)(v > 25)) << (4 * j);
+        }
+        codes[i] = c;
+    }
+    for (u32 i = threadIdx.x; i < 128; i += blockDim.x) signs[i] = iq2_sign_nibbles(i);
+    __syncthreads();
+}
+
+// Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, the bytes iq2_xxs_sub
+// dots: weights 0-3 in lo, 4-7 in hi.
+template <bool TABLE>
+__device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
+                                              u32* hi) {
+    const u32 s = (aux1 >> (7 * l)) & 127;
+    const u32 sel = codes[(aux0 >> (8 * l)) & 255] | (TABLE ? signs[s] : iq2_sign_nibbles(s));
+    *lo = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel);
+    *hi = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel >> 16);
 }
 
 // Blocks of 256 per SM the registers of moe_gate_up_mma_iq2_xxs and moe_down_mma_q2_k must allow:
@@ -1004,7 +1052,8 @@ __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u
 // decodes grid entry t of both rows (its 8 k slots: values 8t..8t + 7 of the sub-block), one MMA
 // gives the sub-block's dots for 16 rows x 8 pairs, and each adds times its row's scale 2s + 1
 // (iq2_xxs_sub's sum). is: gate of columns 2t, 2t + 1, then up.
-__device__ __forceinline__ void iq2_xxs_mma_block(int4 qg, int4 qu, const BlockQ8K* x, const u64* grid, int* is) {
+__device__ __forceinline__ void iq2_xxs_mma_block(int4 qg, int4 qu, const BlockQ8K* x, const u32* codes,
+                                                  const u32* signs, int* is) {
     const u32 lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
     for (int k = 0; k < 4; k++) is[k] = 0;
@@ -1016,8 +1065,8 @@ __device__ __forceinline__ void iq2_xxs_mma_block(int4 qg, int4 qu, const BlockQ
         const u32 u0 = __shfl_sync(0xffffffffu, (u32)(s & 1 ? qu.z : qu.x), src);
         const u32 u1 = __shfl_sync(0xffffffffu, (u32)(s & 1 ? qu.w : qu.y), src);
         u32 w[4];
-        iq2_xxs_entry(g0, g1, t, grid, &w[0], &w[2]);
-        iq2_xxs_entry(u0, u1, t, grid, &w[1], &w[3]);
+        iq2_xxs_entry<(MOE_MMA_SIGN_TABLE >= 1)>(g0, g1, t, codes, signs, &w[0], &w[2]);
+        iq2_xxs_entry<(MOE_MMA_SIGN_TABLE >= 2)>(u0, u1, t, codes, signs, &w[1], &w[3]);
         const uint2 xv = *(const uint2*)(x->qs + 32 * s + 8 * t);
         const u32 xb[2] = {xv.x, xv.y};
         int d[4] = {0, 0, 0, 0};
@@ -1044,7 +1093,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_gate_u
     ds4_wait_predecessor();
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
-    const u64* grid = iq2_grid(a.grid, true);
+    __shared__ u32 codes[256], signs[128];
+    iq2_nibble_tables(a.grid, codes, signs);
     const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_MMA_MID_ROWS;
     if (r0 >= a.ff) return;
@@ -1074,7 +1124,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_gate_u
                 const float dg = h2f(__ldg((const u16*)gate.rest + b)), du = h2f(__ldg((const u16*)up.rest + b));
                 const float y0 = x0[b].d, y1 = x1[b].d;
                 int is[4];
-                iq2_xxs_mma_block(cg, cu, xg + b, grid, is);
+                iq2_xxs_mma_block(cg, cu, xg + b, codes, signs, is);
                 v[0] = 0.0f + (dg * y0) * (float)is[0];
                 v[1] = 0.0f + (dg * y1) * (float)is[1];
                 v[2] = 0.0f + (du * y0) * (float)is[2];

@@ -1512,6 +1512,49 @@ mod tests {
         assert!(kernels.contains(&"moe_down") && !kernels.contains(&"moe_route"));
     }
 
+    /// With the tensor-core choice, a chunk's IQ2_XXS gate/up and Q2_K down take the int8 MMA
+    /// kernels (a warp per 8 mid rows, per 16 output rows; 8 warps a block), the rest as grouped;
+    /// per row, the choice changes nothing.
+    #[test]
+    fn chunk_plans_take_the_tensor_core_experts() {
+        const MMA: [&str; 5] =
+            ["moe_route", "moe_gate_up_mma_iq2_xxs", "quantize_q8_k", "moe_down_mma_q2_k", "moe_sum_slots"];
+        for preset in [Preset::tiny(), Preset::small(), Preset::flash_4l()] {
+            assert_eq!(preset.expert_types, (GgmlType::IQ2_XXS, GgmlType::Q2_K), "{}", preset.name);
+            let model = synth::device_model(&preset, 1).unwrap();
+            let (n_expert, ff, n_embd) = (preset.n_expert as u32, preset.n_ff_exp, preset.n_embd);
+            let rows = 64;
+            let chunk = crate::decode::record(&model, Caps { ctx: 256 }, rows, rows).unwrap();
+            let grouped = plan(&chunk, true, false).unwrap();
+            let mma = plan_experts(&chunk, true, false, ChunkExperts::GroupedMma).unwrap();
+            assert_eq!(grouped.launches.len(), mma.launches.len());
+            let mut seen = 0;
+            for (g, m) in grouped.launches.iter().zip(&mma.launches) {
+                match m.kernel {
+                    "moe_gate_up_mma_iq2_xxs" => {
+                        assert_eq!(g.kernel, "moe_gate_up_grouped_iq2_xxs");
+                        assert_eq!((m.grid, m.block), (n_expert * (ff / 64) as u32, 256));
+                        seen += 1;
+                    }
+                    "moe_down_mma_q2_k" => {
+                        assert_eq!(g.kernel, "moe_down_grouped");
+                        assert_eq!((m.grid, m.block), (n_expert * n_embd.div_ceil(16).div_ceil(8) as u32, 256));
+                        seen += 1;
+                    }
+                    k => assert_eq!((k, m.grid, m.block), (g.kernel, g.grid, g.block)),
+                }
+                assert_eq!((&m.args, &m.ops, m.cond), (&g.args, &g.ops, g.cond), "{}", m.kernel);
+            }
+            assert_eq!(seen, 2 * preset.n_layer, "{}", preset.name);
+            let kernels: Vec<&str> = mma.launches.iter().map(|l| l.kernel).collect();
+            assert!(kernels.windows(5).any(|w| w == MMA), "{kernels:?}");
+            let decode = record_token(&model, Caps { ctx: 256 }).unwrap();
+            let a = plan_experts(&decode, true, false, ChunkExperts::GroupedMma).unwrap().launches;
+            let b = plan(&decode, true, false).unwrap().launches;
+            assert!(a.iter().map(|l| l.kernel).eq(b.iter().map(|l| l.kernel)));
+        }
+    }
+
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.
     fn kernel_signatures() -> Vec<(String, String)> {
         let src = super::super::kernel_source(super::super::BlockLayout::Split, super::super::KernelRows::Chunk);

@@ -130,6 +130,19 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// PTX prmt.b32 (default mode): byte n of the result is byte c_n & 7 of b:a (a the low four), or
+// that byte's sign bit replicated when bit 3 of c_n, the selector's nibble n, is set.
+inline unsigned emu_prmt(unsigned a, unsigned b, unsigned c) {
+    const unsigned long long v = (unsigned long long)b << 32 | a;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) {
+        const unsigned cn = (c >> (4 * n)) & 15;
+        unsigned byte = (unsigned)(v >> (8 * (cn & 7))) & 255;
+        if (cn & 8) byte = byte & 128 ? 255 : 0;
+        r |= byte << (8 * n);
+    }
+    return r;
+}
 template <class To, class From>
 inline To bits_as(From v) {
     static_assert(sizeof(To) == sizeof(From), "same size");

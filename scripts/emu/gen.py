@@ -17,5 +17,7 @@ body = re.sub(
     body,
     flags=re.S,
 )
+# The byte permutes (kernels/moe.cu prmt: d from a, b, c) call the emulator's.
+body = body.replace('asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));', "d = emu_prmt(a, b, c);")
 assert "asm(" not in body.replace("asm volatile", ""), "an asm statement is left"
 open(out, "w").write(head + body)

@@ -333,9 +333,46 @@ template <int K> static int mma_check() {
     return bad;
 }
 
+#if !DS4_NATIVE_BLOCKS
+// The tensor-core gate/up's IQ2_XXS decode (iq2_xxs_entry: byte permutes, signs from the table or
+// by shifts) against iq2_xxs_sub_weights for every grid entry, sign field and entry position.
+static int iq2_decode_check(const std::vector<u64>& grid) {
+    int bad = 0;
+    emu_launch({1, 1, 1}, 256, [&] {
+        static u32 codes[256], signs[128];
+        iq2_nibble_tables(grid.data(), codes, signs);
+        if (threadIdx.x != 0) return;
+        for (u32 idx = 0; idx < 256; idx++)
+            for (u32 s = 0; s < 128; s++)
+                for (u32 l = 0; l < 4; l++) {
+                    const u32 aux0 = idx << (8 * l), aux1 = s << (7 * l);
+                    int want[8];
+                    iq2_xxs_sub_weights(aux0, aux1, grid.data(), want);
+                    u32 lo, hi, tlo, thi;
+                    iq2_xxs_entry<false>(aux0, aux1, l, codes, signs, &lo, &hi);
+                    iq2_xxs_entry<true>(aux0, aux1, l, codes, signs, &tlo, &thi);
+                    bad += lo != (u32)want[2 * l] || hi != (u32)want[2 * l + 1] || tlo != lo || thi != hi;
+                }
+    });
+    printf("IQ2_XXS byte-permute decode against iq2_xxs_sub_weights: %s\n", bad ? "DIFFER" : "same");
+    return bad;
+}
+#endif
+
 int main(int argc, char** argv) {
     const bool native = DS4_NATIVE_BLOCKS;
     int bad = mma_check<16>() + mma_check<32>();
+#if !DS4_NATIVE_BLOCKS
+    {
+        std::vector<u64> grid(256);
+        const unsigned char gb[3] = {8, 25, 43};
+        for (auto& g : grid) {
+            g = 0;
+            for (int i = 0; i < 8; i++) g |= (u64)gb[rnd() % 3] << (8 * i);
+        }
+        bad += iq2_decode_check(grid);
+    }
+#endif
     const Config configs[] = {
         {16, 10, 512, 256, 263, 8, 3, 8, 6},    // Flash's types, odd n_used and out_dim, 2 rows past the tokens
         {16, 10, 256, 512, 256, 16, 4, 8, 8},   // all rows live
