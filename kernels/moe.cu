@@ -929,4 +929,340 @@ extern "C" __global__ void moe_sum_slots(DS4_ARGS, MoeSumSlotsArgs a) {
     for (u32 s = 0; s < a.n_used; s++) acc += a.parts[(u64)s * a.out_dim + r];
     a.out[r] = acc;
 }
+
+#if !DS4_NATIVE_BLOCKS
+// The grouped experts on int8 tensor cores (split layout; plan.rs takes them unless
+// DS4_CUDA_MOE_MMA=0): IQ2_XXS gate/up (moe_gate_up_mma_iq2_xxs) and Q2_K down
+// (moe_down_mma_q2_k). A warp takes a tile of 16 weight rows of one expert and its pairs 8 at a
+// time, the n = 8 columns of an m16n8k32 MMA, so each weight is decoded once per 8 pairs. The MMAs
+// give each (row, pair) the decode kernels' integer block sums (exact in any order; a k
+// permutation applied to both A and B leaves them unchanged), and the block terms then add in
+// row_total's order (tree32_leaf). A column past the expert's pairs repeats its last pair: an
+// MMA's columns do not mix, and that column's outputs are not written.
+
+// D += A B over k = 32 (PTX mma m16n8k32 .s8, .s32 accumulators). With g = lane / 4 and
+// t = lane % 4, byte j of each register: a[0] row g, k 4t + j; a[1] row g + 8, k 4t + j; a[2],
+// a[3] the same at k 16 + 4t + j; b[0] k 4t + j of column g, b[1] k 16 + 4t + j; d[0], d[1] row
+// g, columns 2t and 2t + 1; d[2], d[3] row g + 8. (scripts/emu/gen.py maps the asm to the
+// emulator's MMA.)
+__device__ __forceinline__ void mma_s8_k32(int* d, const u32* a, const u32* b) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Adds leaf i (0..31) of a 32-block chunk, blocks taken in bit_reverse5 order, to the pending
+// sums of warp_sum's tree: a leaf closes level l while bit l of i is set, so every add pairs what
+// the butterfly pairs. After leaf 31, v holds the chunk's sum as warp_sum gives it.
+template <int N> __device__ __forceinline__ void tree32_leaf(float (*pend)[N], float* v, u32 i) {
+#pragma unroll
+    for (u32 l = 0; l < 5; l++) {
+        if (!((i >> l) & 1)) {
+#pragma unroll
+            for (int k = 0; k < N; k++) pend[l][k] = v[k];
+            return;
+        }
+#pragma unroll
+        for (int k = 0; k < N; k++) v[k] = pend[l][k] + v[k];
+    }
+}
+
+// The block of leaf L: chunk L / 32, leaf L % 32 of its tree.
+__device__ __forceinline__ u32 leaf_block(u32 L) { return (L & ~31u) + bit_reverse5(L & 31); }
+// The first leaf after L whose block exists, or `end` (the chunks' leaves).
+__device__ __forceinline__ u32 next_leaf(u32 L, u32 nb, u32 end) {
+    do L++;
+    while (L < end && leaf_block(L) >= nb);
+    return L;
+}
+
+// The tensor-core gate/up decodes an IQ2_XXS grid entry with two byte permutes: weight j's
+// selector nibble is its grid byte's code (0, 1, 2 for 8, 25, 43: the grid's only bytes) plus 4
+// when its sign is set, and picks from the 8 bytes 8, 25, 43, 0, -8, -25, -43, 0 (the bytes
+// iq2_xxs_sub's (v ^ 0xff) + 1 makes). The codes of each entry come from a 256-word table (code of
+// byte j at bit 4j), the sign bits from a 128-word table of the sign fields or by shifts.
+#define IQ2_PRMT_POS 0x002b1908u
+#define IQ2_PRMT_NEG 0x00d5e7f8u
+// Which rows take their sign bits from the table (smem loads, which conflict on the banks) rather
+// than from shifts (ALU): 0 none, 1 the gate rows, 2 gate and up. To measure:
+// DS4_CUDA_DEFINES="MOE_MMA_SIGN_TABLE=2".
+#ifndef MOE_MMA_SIGN_TABLE
+#define MOE_MMA_SIGN_TABLE 1
+#endif
+
+// PTX prmt: byte n of the result is byte c_n & 7 of b:a (a the low four), c_n the selector's
+// nibble n (bit 3 set would replicate that byte's sign; the nibbles here never set it). Unlike
+// __byte_perm it needs no mask of the selector. (scripts/emu/gen.py maps the asm to the emulator's.)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Sign field s (7 bits) and its parity bit (the count of negatives is even) at bits 4j + 2.
+__device__ __forceinline__ u32 iq2_sign_nibbles(u32 s) {
+    u32 x = s | (u32)(__popc(s) & 1) << 7;
+    x = (x | x << 12) & 0x000f000fu;
+    x = (x | x << 6) & 0x03030303u;
+    x = (x | x << 3) & 0x11111111u;
+    return x << 2;
+}
+
+// The two tables in shared memory, filled by the whole block (every thread must call this).
+__device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u32* signs) {
+    for (u32 i = threadIdx.x; i < 256; i += blockDim.x) {
+        const u64 g = grid[i];
+        u32 c = 0;
+#pragma unroll
+        for (u32 j = 0; j < 8; j++) {
+            const u32 v = (u32)(g >> (8 * j)) & 255;
+            c |= ((u32)(v > 8) + (u32)(v > 25)) << (4 * j);
+        }
+        codes[i] = c;
+    }
+    for (u32 i = threadIdx.x; i < 128; i += blockDim.x) signs[i] = iq2_sign_nibbles(i);
+    __syncthreads();
+}
+
+// Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, the bytes iq2_xxs_sub
+// dots: weights 0-3 in lo, 4-7 in hi.
+template <bool TABLE>
+__device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
+                                              u32* hi) {
+    const u32 s = (aux1 >> (7 * l)) & 127;
+    const u32 sel = codes[(aux0 >> (8 * l)) & 255] | (TABLE ? signs[s] : iq2_sign_nibbles(s));
+    *lo = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel);
+    *hi = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel >> 16);
+}
+
+// Blocks of 256 per SM the registers of moe_gate_up_mma_iq2_xxs and moe_down_mma_q2_k must allow:
+// 3 fit both in 80 registers without spilling (down takes 96 by itself, 2 blocks); 4 spill. To
+// measure others: DS4_CUDA_DEFINES="MOE_MMA_MIN_BLOCKS=2" (1: as many registers as ptxas likes).
+#ifndef MOE_MMA_MIN_BLOCKS
+#define MOE_MMA_MIN_BLOCKS 3
+#endif
+
+// Mid rows of a gate/up tile: tile rows 0-7 are gate rows r0..r0 + 7, rows 8-15 the up rows of
+// the same mid rows, so a lane's accumulators hold gate and up of mid row r0 + g for two pairs.
+#define MOE_MMA_MID_ROWS 8
+
+// One IQ2_XXS block of a gate/up tile: lane (g, t) holds part t (sub-blocks 2t, 2t + 1) of gate
+// row g (qg) and of up row g (qu), and reads column g's activations x. For each sub-block the lane
+// decodes grid entry t of both rows (its 8 k slots: values 8t..8t + 7 of the sub-block), one MMA
+// gives the sub-block's dots for 16 rows x 8 pairs, and each adds times its row's scale 2s + 1
+// (iq2_xxs_sub's sum). is: gate of columns 2t, 2t + 1, then up.
+__device__ __forceinline__ void iq2_xxs_mma_block(int4 qg, int4 qu, const BlockQ8K* x, const u32* codes,
+                                                  const u32* signs, int* is) {
+    const u32 lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll
+    for (int k = 0; k < 4; k++) is[k] = 0;
+#pragma unroll
+    for (u32 s = 0; s < 8; s++) {
+        const u32 src = (lane & ~3u) | (s >> 1);
+        const u32 g0 = __shfl_sync(0xffffffffu, (u32)(s & 1 ? qg.z : qg.x), src);
+        const u32 g1 = __shfl_sync(0xffffffffu, (u32)(s & 1 ? qg.w : qg.y), src);
+        const u32 u0 = __shfl_sync(0xffffffffu, (u32)(s & 1 ? qu.z : qu.x), src);
+        const u32 u1 = __shfl_sync(0xffffffffu, (u32)(s & 1 ? qu.w : qu.y), src);
+        u32 w[4];
+        iq2_xxs_entry<(MOE_MMA_SIGN_TABLE >= 1)>(g0, g1, t, codes, signs, &w[0], &w[2]);
+        iq2_xxs_entry<(MOE_MMA_SIGN_TABLE >= 2)>(u0, u1, t, codes, signs, &w[1], &w[3]);
+        const uint2 xv = *(const uint2*)(x->qs + 32 * s + 8 * t);
+        const u32 xb[2] = {xv.x, xv.y};
+        int d[4] = {0, 0, 0, 0};
+        mma_s8_k32(d, w, xb);
+        const int sg = 2 * (int)(g1 >> 28) + 1, su = 2 * (int)(u1 >> 28) + 1;
+        is[0] += d[0] * sg;
+        is[1] += d[1] * sg;
+        is[2] += d[2] * su;
+        is[3] += d[3] * su;
+    }
+}
+
+// The Q8_K activations of pair p (its row's normed input).
+__device__ __forceinline__ const BlockQ8K* gate_up_pair_x(const MoeGateUpGroupedArgs& a, const RowStrides& R, u32 p) {
+    MoeGateUpGroupedArgs ay = a;
+    ds4_row(ay, R, p / a.n_used);
+    return ay.xq;
+}
+
+// IQ2_XXS gate and up (the Flash experts) for every pair of each expert: blocks go (mid row
+// block, expert) as moe_gate_up_grouped's, a warp per MOE_MMA_MID_ROWS mid rows. Each block's
+// quants are loaded one block ahead, in the leaves' order.
+extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_gate_up_mma_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    __shared__ u32 codes[256], signs[128];
+    iq2_nibble_tables(a.grid, codes, signs);
+    const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_MMA_MID_ROWS;
+    if (r0 >= a.ff) return;
+    const u32 nb = a.in_dim / 256, r = r0 + g;
+    const u32 end = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK * DS4_BLOCK_CHUNK;
+    const ExpertRow gate = expert_row(a.gate, 16, e, (u64)r * nb), up = expert_row(a.up, 16, e, (u64)r * nb);
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i0 = 0; i0 < n; i0 += 8) {
+        const BlockQ8K* xg = gate_up_pair_x(a, R, pairs[min(i0 + g, n - 1)]);
+        const BlockQ8K* x0 = gate_up_pair_x(a, R, pairs[min(i0 + 2 * t, n - 1)]);
+        const BlockQ8K* x1 = gate_up_pair_x(a, R, pairs[min(i0 + 2 * t + 1, n - 1)]);
+        int4 qg = __ldg((const int4*)(gate.qs + 16 * t)), qu = __ldg((const int4*)(up.qs + 16 * t));
+        float total[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pend[5][4];
+#pragma unroll 1
+        for (u32 L = 0; L < end; L++) {
+            const u32 b = leaf_block(L);
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (b < nb) {
+                const int4 cg = qg, cu = qu;
+                const u32 next = next_leaf(L, nb, end);
+                if (next < end) {
+                    const u64 at = (u64)leaf_block(next) * 64 + 16 * t;
+                    qg = __ldg((const int4*)(gate.qs + at));
+                    qu = __ldg((const int4*)(up.qs + at));
+                }
+                const float dg = h2f(__ldg((const u16*)gate.rest + b)), du = h2f(__ldg((const u16*)up.rest + b));
+                const float y0 = x0[b].d, y1 = x1[b].d;
+                int is[4];
+                iq2_xxs_mma_block(cg, cu, xg + b, codes, signs, is);
+                v[0] = 0.0f + (dg * y0) * (float)is[0];
+                v[1] = 0.0f + (dg * y1) * (float)is[1];
+                v[2] = 0.0f + (du * y0) * (float)is[2];
+                v[3] = 0.0f + (du * y1) * (float)is[3];
+            }
+            tree32_leaf<4>(pend, v, L & 31);
+            if ((L & 31) == 31) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) total[k] += v[k];
+            }
+        }
+#pragma unroll
+        for (u32 j = 0; j < 2; j++) {
+            const u32 q = i0 + 2 * t + j;
+            if (q >= n) break;
+            const u32 p = pairs[q], slot = p % a.n_used;
+            MoeGateUpGroupedArgs ay = a;
+            ds4_row(ay, R, p / a.n_used);
+            const float gv = 0.125f * total[j], uv = 0.125f * total[2 + j];
+            ay.mid[(u64)slot * a.ff + r] = swiglu_clamped(gv, uv, a.clamp) * ay.weights[slot];
+        }
+    }
+}
+
+// One Q2_K block of a down tile: lane (g, t) holds the quants of 128-value chunk c = t / 2, half
+// h = t % 2 (16 bytes: four 2-bit planes j of 16 values each, whose scale is byte 2j + h of the
+// chunk's 8 in sa / sb) of rows g (qa) and g + 8 (qb), and reads column g's activations x. A value's
+// scale folds into its weight (q * (s & 15) <= 45 fits an int8) and its min is a weight of its
+// own (s >> 4), so an MMA may take 8 values of each lane's sub-block: per plane and half, one MMA
+// adds the scaled quants' dots to is and one the mins' to sm, part_sums' isum and summ (the mins
+// times the activations' 16-value sums, which quantize_q8_k makes from the same quants).
+__device__ __forceinline__ void q2_k_mma_block(int4 qa, int4 qb, uint2 sa, uint2 sb, const BlockQ8K* x, int* is,
+                                               int* sm) {
+    const u32 t = threadIdx.x & 3, c = t >> 1, h = t & 1;
+#pragma unroll
+    for (int k = 0; k < 4; k++) is[k] = sm[k] = 0;
+#pragma unroll
+    for (u32 j = 0; j < 4; j++) {
+        const u32 sh = 8 * ((2 * j + h) & 3);
+        const u32 sca = ((j < 2 ? sa.x : sa.y) >> sh) & 255, scb = ((j < 2 ? sb.x : sb.y) >> sh) & 255;
+        const u32 ka = sca & 15, kb = scb & 15;
+        const u32 mins[4] = {(sca >> 4) * 0x01010101u, (scb >> 4) * 0x01010101u, (sca >> 4) * 0x01010101u,
+                             (scb >> 4) * 0x01010101u};
+#pragma unroll
+        for (u32 half = 0; half < 2; half++) {
+            const u32 a0 = (u32)(half ? qa.z : qa.x), a1 = (u32)(half ? qa.w : qa.y);
+            const u32 b0 = (u32)(half ? qb.z : qb.x), b1 = (u32)(half ? qb.w : qb.y);
+            const u32 w[4] = {((a0 >> (2 * j)) & 0x03030303u) * ka, ((b0 >> (2 * j)) & 0x03030303u) * kb,
+                              ((a1 >> (2 * j)) & 0x03030303u) * ka, ((b1 >> (2 * j)) & 0x03030303u) * kb};
+            const uint2 xv = *(const uint2*)(x->qs + 128 * c + 32 * j + 16 * h + 8 * half);
+            const u32 xb[2] = {xv.x, xv.y};
+            mma_s8_k32(is, w, xb);
+            mma_s8_k32(sm, mins, xb);
+        }
+    }
+}
+
+// row_total's Q2_K term of a block: sc its d and dmin (block_scales<10>), yd the activations'.
+__device__ __forceinline__ float q2_k_term(u32 sc, float yd, int is, int sm) {
+    const float d = yd * h2f((u16)(sc & 0xffff)), dmin = yd * h2f((u16)(sc >> 16));
+    return 0.0f + (d * (float)is - dmin * (float)sm);
+}
+
+// The mid Q8_K of pair p (its row and slot).
+__device__ __forceinline__ const BlockQ8K* down_pair_x(const MoeDownGroupedArgs& a, const RowStrides& R, u32 p) {
+    MoeDownGroupedArgs ay = a;
+    ds4_row(ay, R, p / a.n_used);
+    return ay.midq + (u64)(p % a.n_used) * (a.ff / 256);
+}
+
+// Down rows of a tile: rows g and g + 8 of a lane are r0 + g and r0 + g + 8.
+#define MOE_MMA_DOWN_ROWS 16
+
+// Q2_K down for every pair of each expert, into parts[slot] of the pair's row (moe_sum_slots adds
+// them): blocks go (row block, expert), a warp per MOE_MMA_DOWN_ROWS rows; rows past out_dim read
+// the last row and are not written.
+extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_down_mma_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = t >> 1;
+    const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_MMA_DOWN_ROWS;
+    if (r0 >= a.out_dim) return;
+    const u32 nb = a.ff / 256, end = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK * DS4_BLOCK_CHUNK;
+    const ExpertRow wa = expert_row(a.down, 10, e, (u64)min(r0 + g, a.out_dim - 1) * nb);
+    const ExpertRow wb = expert_row(a.down, 10, e, (u64)min(r0 + g + 8, a.out_dim - 1) * nb);
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i0 = 0; i0 < n; i0 += 8) {
+        const BlockQ8K* xg = down_pair_x(a, R, pairs[min(i0 + g, n - 1)]);
+        const BlockQ8K* x0 = down_pair_x(a, R, pairs[min(i0 + 2 * t, n - 1)]);
+        const BlockQ8K* x1 = down_pair_x(a, R, pairs[min(i0 + 2 * t + 1, n - 1)]);
+        int4 qa = __ldg((const int4*)(wa.qs + 16 * t)), qb = __ldg((const int4*)(wb.qs + 16 * t));
+        float total[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pend[5][4];
+#pragma unroll 1
+        for (u32 L = 0; L < end; L++) {
+            const u32 b = leaf_block(L);
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (b < nb) {
+                const int4 ca = qa, cb = qb;
+                const u32 next = next_leaf(L, nb, end);
+                if (next < end) {
+                    const u64 at = (u64)leaf_block(next) * 64 + 16 * t;
+                    qa = __ldg((const int4*)(wa.qs + at));
+                    qb = __ldg((const int4*)(wb.qs + at));
+                }
+                const u8* ra = wa.rest + (u64)b * Layout<10>::RS;
+                const u8* rb = wb.rest + (u64)b * Layout<10>::RS;
+                const uint2 sa = make_uint2(__ldg((const u32*)(ra + 8 * c)), __ldg((const u32*)(ra + 8 * c + 4)));
+                const uint2 sb = make_uint2(__ldg((const u32*)(rb + 8 * c)), __ldg((const u32*)(rb + 8 * c + 4)));
+                const u32 da = __ldg((const u32*)(ra + Layout<10>::Q2K_D));
+                const u32 db = __ldg((const u32*)(rb + Layout<10>::Q2K_D));
+                const float y0 = x0[b].d, y1 = x1[b].d;
+                int is[4], sm[4];
+                q2_k_mma_block(ca, cb, sa, sb, xg + b, is, sm);
+                v[0] = q2_k_term(da, y0, is[0], sm[0]);
+                v[1] = q2_k_term(da, y1, is[1], sm[1]);
+                v[2] = q2_k_term(db, y0, is[2], sm[2]);
+                v[3] = q2_k_term(db, y1, is[3], sm[3]);
+            }
+            tree32_leaf<4>(pend, v, L & 31);
+            if ((L & 31) == 31) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) total[k] += v[k];
+            }
+        }
+#pragma unroll
+        for (u32 j = 0; j < 2; j++) {
+            const u32 q = i0 + 2 * t + j;
+            if (q >= n) break;
+            const u32 p = pairs[q], slot = p % a.n_used;
+            MoeDownGroupedArgs ay = a;
+            ds4_row(ay, R, p / a.n_used);
+            float* parts = ay.parts + (u64)slot * a.out_dim;
+            if (r0 + g < a.out_dim) parts[r0 + g] = total[j];
+            if (r0 + g + 8 < a.out_dim) parts[r0 + g + 8] = total[2 + j];
+        }
+    }
+}
+#endif
 #endif

@@ -139,8 +139,14 @@ mod imp {
     /// Kernels of the chunk build that cover all the chunk's rows in one launch without
     /// `blockIdx.y`, finding each row's pointers through the strides (kernels/moe.cu: the routed
     /// experts grouped by expert).
-    const ALL_ROWS_KERNELS: [&str; 4] =
-        ["moe_route", "moe_gate_up_grouped", "moe_gate_up_grouped_iq2_xxs", "moe_down_grouped"];
+    const ALL_ROWS_KERNELS: [&str; 6] = [
+        "moe_route",
+        "moe_gate_up_grouped",
+        "moe_gate_up_grouped_iq2_xxs",
+        "moe_down_grouped",
+        "moe_gate_up_mma_iq2_xxs",
+        "moe_down_mma_q2_k",
+    ];
 
     /// Token rows a warp of the chunk build's Q8_0 matvec covers: each weight block is loaded once
     /// for this many rows. `DS4_CUDA_TOKEN_ROWS` (1 to 32) overrides the default 8, to measure.
@@ -1339,8 +1345,16 @@ mod imp {
             let rows = chunk.rows();
             let state = chunk.state_binding(&self.program).map_err(err)?;
             // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row expert launches, to measure against.
-            let group_experts = std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_err();
-            let plan = plan::plan_experts(&chunk, true, false, group_experts).map_err(err)?;
+            // `DS4_CUDA_MOE_MMA=0` keeps the grouped kernels on CUDA cores instead of the int8
+            // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only), to measure against.
+            let experts = if std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_ok() {
+                plan::ChunkExperts::PerRow
+            } else if self.layout != BlockLayout::Split || std::env::var("DS4_CUDA_MOE_MMA").is_ok_and(|v| v == "0") {
+                plan::ChunkExperts::Grouped
+            } else {
+                plan::ChunkExperts::GroupedMma
+            };
+            let plan = plan::plan_experts(&chunk, true, false, experts).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
             // Per-row buffers, then per-row scratch areas; state is the decode program's.
             let mut size = 0usize;

@@ -141,6 +141,24 @@ fn pack_cond(c: Option<Cond>) -> u64 {
     }
 }
 
+/// How a chunk program runs its routed experts (every way gives the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkExperts {
+    /// The decode kernels, a launch per row.
+    PerRow,
+    /// Grouped by expert on CUDA cores (kernels/moe.cu `moe_gate_up_grouped*`, `moe_down_grouped`).
+    Grouped,
+    /// Grouped by expert, IQ2_XXS gate/up and Q2_K down on int8 tensor cores
+    /// (`moe_gate_up_mma_iq2_xxs`, `moe_down_mma_q2_k`; the split block layout only); other
+    /// types as [`ChunkExperts::Grouped`].
+    GroupedMma,
+}
+
+/// Mid rows per warp of `moe_gate_up_mma_iq2_xxs` and output rows per warp of `moe_down_mma_q2_k`
+/// (kernels/moe.cu: MOE_MMA_MID_ROWS, MOE_MMA_DOWN_ROWS); 8 warps a block.
+const MOE_MMA_MID_ROWS: usize = 8;
+const MOE_MMA_DOWN_ROWS: usize = 16;
+
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
 }
@@ -149,8 +167,8 @@ struct Builder<'a> {
     program: &'a Program,
     /// Whether runs of ops may share a launch (the graph's plan); off for op-by-op execution.
     fuse: bool,
-    /// Whether a chunk program's routed experts run grouped by expert.
-    group_experts: bool,
+    /// How a chunk program's routed experts run.
+    experts: ChunkExperts,
     /// Ops already computed by an earlier op's launch.
     done: Vec<bool>,
     launches: Vec<Launch>,
@@ -285,10 +303,17 @@ impl<'a> Builder<'a> {
             _pad: 0,
         };
         self.launch(1, 1024, route);
-        // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
-        self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
-        if gu.gate_ty == GgmlType::IQ2_XXS as u32 {
-            self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_grouped_iq2_xxs";
+        let mma = self.experts == ChunkExperts::GroupedMma;
+        if mma && gu.gate_ty == GgmlType::IQ2_XXS as u32 {
+            // A warp per 8 mid rows (a tile of their gate and up rows) of an expert, 8 warps a block.
+            self.launch(n_expert * blocks(ff / MOE_MMA_MID_ROWS, 8), 256, gu);
+            self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_mma_iq2_xxs";
+        } else {
+            // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
+            self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
+            if gu.gate_ty == GgmlType::IQ2_XXS as u32 {
+                self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_grouped_iq2_xxs";
+            }
         }
         let q = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };
         self.launch((n_used * ff / 256) as u32, 256, q);
@@ -305,8 +330,14 @@ impl<'a> Builder<'a> {
             n_expert,
             _pad: 0,
         };
-        // A warp per two output rows of an expert, 8 warps a block.
-        self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
+        if mma && down_ty == GgmlType::Q2_K as u32 {
+            // A warp per 16 output rows of an expert, 8 warps a block.
+            self.launch(n_expert * blocks(out_dim.div_ceil(MOE_MMA_DOWN_ROWS), 8), 256, d);
+            self.launches.last_mut().expect("just launched").kernel = "moe_down_mma_q2_k";
+        } else {
+            // A warp per two output rows of an expert, 8 warps a block.
+            self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
+        }
         let s =
             MoeSumSlotsArgs { parts: Scratch::MoeParts.ptr(), out: b(out), out_dim: out_dim as u32, n_used: gu.n_used };
         self.launch(blocks(out_dim, 256), 256, s);
@@ -1186,7 +1217,7 @@ impl<'a> Builder<'a> {
                 // more than 8192 pairs) row by row as below, which gives the same bits.
                 let rows = self.program.rows() as usize;
                 if rows > 1
-                    && self.group_experts
+                    && self.experts != ChunkExperts::PerRow
                     && !self.expert_cache
                     && ff.is_multiple_of(256)
                     && n_expert <= MOE_ROUTE_MAX_EXPERTS
@@ -1332,12 +1363,11 @@ fn split_attention() -> bool {
 }
 
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
-    plan_experts(program, fuse, expert_cache, true)
+    plan_experts(program, fuse, expert_cache, ChunkExperts::Grouped)
 }
 
-/// [`plan`], choosing whether a chunk program runs its routed experts grouped by expert
-/// (`group_experts`) or row by row (the same bits).
-pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, group_experts: bool) -> Result<Plan, String> {
+/// [`plan`], choosing how a chunk program runs its routed experts (the same bits every way).
+pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, experts: ChunkExperts) -> Result<Plan, String> {
     if program.rows() > 1 && expert_cache {
         return Err("a chunk program cannot run with the expert cache (placement host)".into());
     }
@@ -1345,7 +1375,7 @@ pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, group_exp
         program,
         fuse,
         expert_cache,
-        group_experts,
+        experts,
         moe_layers: 0,
         done: vec![false; program.steps().len()],
         group: Vec::new(),
@@ -1580,6 +1610,49 @@ mod tests {
         let chunk = crate::decode::record(&model, Caps { ctx: rows }, rows, rows).unwrap();
         let kernels: Vec<&str> = plan(&chunk, true, false).unwrap().launches.iter().map(|l| l.kernel).collect();
         assert!(kernels.contains(&"moe_down") && !kernels.contains(&"moe_route"));
+    }
+
+    /// With the tensor-core choice, a chunk's IQ2_XXS gate/up and Q2_K down take the int8 MMA
+    /// kernels (a warp per 8 mid rows, per 16 output rows; 8 warps a block), the rest as grouped;
+    /// per row, the choice changes nothing.
+    #[test]
+    fn chunk_plans_take_the_tensor_core_experts() {
+        const MMA: [&str; 5] =
+            ["moe_route", "moe_gate_up_mma_iq2_xxs", "quantize_q8_k", "moe_down_mma_q2_k", "moe_sum_slots"];
+        for preset in [Preset::tiny(), Preset::small(), Preset::flash_4l()] {
+            assert_eq!(preset.expert_types, (GgmlType::IQ2_XXS, GgmlType::Q2_K), "{}", preset.name);
+            let model = synth::device_model(&preset, 1).unwrap();
+            let (n_expert, ff, n_embd) = (preset.n_expert as u32, preset.n_ff_exp, preset.n_embd);
+            let rows = 64;
+            let chunk = crate::decode::record(&model, Caps { ctx: 256 }, rows, rows).unwrap();
+            let grouped = plan(&chunk, true, false).unwrap();
+            let mma = plan_experts(&chunk, true, false, ChunkExperts::GroupedMma).unwrap();
+            assert_eq!(grouped.launches.len(), mma.launches.len());
+            let mut seen = 0;
+            for (g, m) in grouped.launches.iter().zip(&mma.launches) {
+                match m.kernel {
+                    "moe_gate_up_mma_iq2_xxs" => {
+                        assert_eq!(g.kernel, "moe_gate_up_grouped_iq2_xxs");
+                        assert_eq!((m.grid, m.block), (n_expert * (ff / 64) as u32, 256));
+                        seen += 1;
+                    }
+                    "moe_down_mma_q2_k" => {
+                        assert_eq!(g.kernel, "moe_down_grouped");
+                        assert_eq!((m.grid, m.block), (n_expert * n_embd.div_ceil(16).div_ceil(8) as u32, 256));
+                        seen += 1;
+                    }
+                    k => assert_eq!((k, m.grid, m.block), (g.kernel, g.grid, g.block)),
+                }
+                assert_eq!((&m.args, &m.ops, m.cond), (&g.args, &g.ops, g.cond), "{}", m.kernel);
+            }
+            assert_eq!(seen, 2 * preset.n_layer, "{}", preset.name);
+            let kernels: Vec<&str> = mma.launches.iter().map(|l| l.kernel).collect();
+            assert!(kernels.windows(5).any(|w| w == MMA), "{kernels:?}");
+            let decode = record_token(&model, Caps { ctx: 256 }).unwrap();
+            let a = plan_experts(&decode, true, false, ChunkExperts::GroupedMma).unwrap().launches;
+            let b = plan(&decode, true, false).unwrap().launches;
+            assert!(a.iter().map(|l| l.kernel).eq(b.iter().map(|l| l.kernel)));
+        }
     }
 
     /// (kernel, argument struct) of each `extern "C" __global__` kernel in the sources.

@@ -34,9 +34,13 @@ struct float4 {
 struct int2 {
     int x, y;
 };
+struct uint2 {
+    unsigned x, y;
+};
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 inline int4 make_int4(int a, int b, int c, int d) { return int4{a, b, c, d}; }
 inline int2 make_int2(int a, int b) { return int2{a, b}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
 
 enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
 struct EmuFiber {
@@ -50,6 +54,7 @@ struct EmuBlock {
     emu_dim3 bid, bdim, gdim;
     ucontext_t sched;
     unsigned long long xchg[32][32];
+    unsigned mma[32][32][6];  // each lane's MMA fragments: A's registers, then B's
     std::function<void()> body;
 };
 extern EmuFiber* emu_cur;
@@ -98,6 +103,37 @@ inline unsigned __ballot_sync(unsigned, int p) {
     return r;
 }
 
+// mma.sync.aligned.m16n8k{16,32}.row.col.s32.s8.s8.s32 with C = D: a warp collective. Every lane
+// publishes its A and B registers, then computes its own accumulators from the whole matrices.
+// PTX ISA fragments (g = lane / 4, t = lane % 4, element j of a register is its byte j): A register
+// r (K / 8 of them) holds row g + 8 (r & 1), columns 4t + j + 16 (r >> 1); B register r (K / 16)
+// holds rows 4t + j + 16 r of column g; accumulator i is row g + 8 (i >> 1), column 2t + (i & 1).
+template <int K> void emu_mma_s8(int* d, const unsigned* a, const unsigned* b) {
+    static_assert(K == 16 || K == 32, "the int8 shapes m16n8k16 and m16n8k32");
+    const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
+    unsigned* mine = emu_blk->mma[warp][lane];
+    for (int r = 0; r < K / 8; r++) mine[r] = a[r];
+    for (int r = 0; r < K / 16; r++) mine[4 + r] = b[r];
+    __syncwarp();
+    int A[16][K], B[K][8];
+    for (unsigned l = 0; l < 32; l++) {
+        const unsigned g = l >> 2, t = l & 3;
+        const unsigned* f = emu_blk->mma[warp][l];
+        for (unsigned r = 0; r < K / 8; r++)
+            for (unsigned j = 0; j < 4; j++) A[g + 8 * (r & 1)][4 * t + j + 16 * (r >> 1)] = (signed char)(f[r] >> (8 * j));
+        for (unsigned r = 0; r < K / 16; r++)
+            for (unsigned j = 0; j < 4; j++) B[4 * t + j + 16 * r][g] = (signed char)(f[4 + r] >> (8 * j));
+    }
+    __syncwarp();
+    const unsigned g = lane >> 2, t = lane & 3;
+    for (unsigned i = 0; i < 4; i++) {
+        const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        long long s = d[i];
+        for (unsigned k = 0; k < K; k++) s += (long long)A[row][k] * B[k][col];
+        d[i] = (int)(unsigned)s;  // .s32 wraps
+    }
+}
+
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
 inline int __dp4a(int a, int b, int c) {
@@ -105,6 +141,19 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// PTX prmt.b32 (default mode): byte n of the result is byte c_n & 7 of b:a (a the low four), or
+// that byte's sign bit replicated when bit 3 of c_n, the selector's nibble n, is set.
+inline unsigned emu_prmt(unsigned a, unsigned b, unsigned c) {
+    const unsigned long long v = (unsigned long long)b << 32 | a;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) {
+        const unsigned cn = (c >> (4 * n)) & 15;
+        unsigned byte = (unsigned)(v >> (8 * (cn & 7))) & 255;
+        if (cn & 8) byte = byte & 128 ? 255 : 0;
+        r |= byte << (8 * n);
+    }
+    return r;
+}
 template <class To, class From>
 inline To bits_as(From v) {
     static_assert(sizeof(To) == sizeof(From), "same size");

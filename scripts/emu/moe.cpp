@@ -1,7 +1,9 @@
 // Runs a chunk's routed experts through the old per-row kernels (moe_gate_up[_iq2_xxs] with the
 // fused mid Q8_K, moe_down; launched over blockIdx.y as build_chunk did) and through the grouped
 // ones (moe_route, moe_gate_up_grouped[_iq2_xxs], quantize_q8_k per row, moe_down_grouped,
-// moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit.
+// moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit; in the split
+// layout, again with the tensor-core kernels (moe_gate_up_mma_iq2_xxs, moe_down_mma_q2_k) where
+// the types have them. First it checks the emulated int8 MMA against a plain matrix product.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -49,6 +51,8 @@ struct Experts {
 
 struct Config {
     u32 gate_ty, down_ty, in_dim, ff, out_dim, n_expert, n_used, rows, active;
+    // When given: expert e gets exactly counts[e] pairs (the active rows' slots, in order).
+    std::vector<u32> counts;
 };
 
 static u32 blocks_of(u32 n, u32 per) { return n ? (n + per - 1) / per : 1; }
@@ -80,6 +84,10 @@ static int run(const Config& c, bool native) {
             x[b].d = frand(1e-3f, 3e-2f);
         }
         int* sel = SEL.row<int>(y);
+        if (!c.counts.empty()) {
+            for (u32 s = 0; s < c.n_used; s++) W.row<float>(y)[s] = frand(0.05f, 1.0f);
+            continue;
+        }
         // Distinct experts per row (as the router picks), then a few edge cases.
         for (u32 s = 0; s < c.n_used; s++) {
             for (;;) {
@@ -98,11 +106,18 @@ static int run(const Config& c, bool native) {
         if (y == 3 && c.n_used > 1) sel[1] = sel[0];        // one expert twice in a row
         if (y >= c.active) sel[0] = 1 << 30;                // never read
     }
+    if (!c.counts.empty()) {
+        // The experts in order, a run of counts[e] each, down the active rows' slot 0, then
+        // slot 1, ...: a row gets one expert twice only if a run is longer than the rows.
+        std::vector<int> list;
+        for (u32 e = 0; e < c.n_expert; e++) list.insert(list.end(), c.counts[e], (int)e);
+        if (list.size() != (size_t)c.active * c.n_used) abort();
+        for (u32 y = 0; y < c.rows; y++)
+            for (u32 s = 0; s < c.n_used; s++) SEL.row<int>(y)[s] = y < c.active ? list[s * c.active + y] : 1 << 30;
+    }
     const size_t mid_bytes = (size_t)c.n_used * c.ff * 4, midq_bytes = (size_t)c.n_used * nbf * sizeof(BlockQ8K);
     RowBuf mid_old(mid_bytes, c.rows), midq_old(midq_bytes, c.rows), out_old(c.out_dim * 4, c.rows);
-    RowBuf mid_new(mid_bytes, c.rows), midq_new(midq_bytes, c.rows), out_new(c.out_dim * 4, c.rows);
-    RowBuf tickets(c.n_used * 4, c.rows, 0), route((2 * c.n_expert + c.rows * c.n_used) * 4, c.rows);
-    RowBuf parts((size_t)c.n_used * c.out_dim * 4, c.rows);
+    RowBuf tickets(c.n_used * 4, c.rows, 0);
     const float clamp = 7.0f;
     const u64 G = (u64)grid.data(), TG = (u64)gate.table.data(), TU = (u64)up.table.data(),
               TD = (u64)down.table.data();
@@ -146,8 +161,15 @@ static int run(const Config& c, bool native) {
         const RowStrides RD = row_strides({midq_old.stride, SEL.stride, 0, out_old.stride, 0});
         emu_launch({blocks_of((c.out_dim + 1) / 2, 8), c.rows, 1}, 256, [&] { moe_down(P0, cond, RD, d); });
     }
-    // New: grouped by expert.
-    {
+    // New: grouped by expert, on CUDA cores (mma false) or, where the layout and types have them,
+    // on tensor cores; each compared with the old.
+    int bad = 0;
+    for (int mma = 0; mma < 2; mma++) {
+        const bool mma_gate_up = mma && !native && c.gate_ty == 16, mma_down = mma && !native && c.down_ty == 10;
+        if (mma && !mma_gate_up && !mma_down) continue;
+        RowBuf mid_new(mid_bytes, c.rows), midq_new(midq_bytes, c.rows), out_new(c.out_dim * 4, c.rows);
+        RowBuf route((2 * c.n_expert + c.rows * c.n_used) * 4, c.rows);
+        RowBuf parts((size_t)c.n_used * c.out_dim * 4, c.rows);
         MoeRouteArgs r{(const int*)SEL.ptr(), (u32*)route.ptr(), c.n_expert, c.n_used, c.rows, 0};
         const RowStrides RR = row_strides({SEL.stride, route.stride});
         emu_launch({1, 1, 1}, 1024, [&] { moe_route(P0, cond, RR, r); });
@@ -167,10 +189,17 @@ static int run(const Config& c, bool native) {
         a.n_expert = c.n_expert;
         a.clamp = clamp;
         const RowStrides RG = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid_new.stride, 0, route.stride});
-        emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
-            if (c.gate_ty == 16) moe_gate_up_grouped_iq2_xxs(P0, cond, RG, a);
-            else moe_gate_up_grouped(P0, cond, RG, a);
-        });
+        if (mma_gate_up) {
+#if !DS4_NATIVE_BLOCKS
+            emu_launch({c.n_expert * blocks_of(c.ff / MOE_MMA_MID_ROWS, 8), 1, 1}, 256,
+                       [&] { moe_gate_up_mma_iq2_xxs(P0, cond, RG, a); });
+#endif
+        } else {
+            emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
+                if (c.gate_ty == 16) moe_gate_up_grouped_iq2_xxs(P0, cond, RG, a);
+                else moe_gate_up_grouped(P0, cond, RG, a);
+            });
+        }
         QuantizeQ8KArgs q{(const float*)mid_new.ptr(), (BlockQ8K*)midq_new.ptr()};
         const RowStrides RQ = row_strides({mid_new.stride, midq_new.stride});
         emu_launch({c.n_used * c.ff / 256, c.rows, 1}, 256, [&] { quantize_q8_k(P0, cond, RQ, q); });
@@ -186,61 +215,164 @@ static int run(const Config& c, bool native) {
         d.n_used = c.n_used;
         d.n_expert = c.n_expert;
         const RowStrides RD = row_strides({midq_new.stride, 0, parts.stride, 0, route.stride});
-        emu_launch({c.n_expert * blocks_of((c.out_dim + 1) / 2, 8), 1, 1}, 256, [&] { moe_down_grouped(P0, cond, RD, d); });
-        MoeSumSlotsArgs s{(const float*)parts.ptr(), (float*)out_new.ptr(), c.out_dim, c.n_used};
+        if (mma_down) {
+#if !DS4_NATIVE_BLOCKS
+            emu_launch({c.n_expert * blocks_of((c.out_dim + MOE_MMA_DOWN_ROWS - 1) / MOE_MMA_DOWN_ROWS, 8), 1, 1}, 256,
+                       [&] { moe_down_mma_q2_k(P0, cond, RD, d); });
+#endif
+        } else {
+            emu_launch({c.n_expert * blocks_of((c.out_dim + 1) / 2, 8), 1, 1}, 256,
+                       [&] { moe_down_grouped(P0, cond, RD, d); });
+        }
+        MoeSumSlotsArgs sum{(const float*)parts.ptr(), (float*)out_new.ptr(), c.out_dim, c.n_used};
         const RowStrides RS = row_strides({parts.stride, out_new.stride});
-        emu_launch({blocks_of(c.out_dim, 256), c.rows, 1}, 256, [&] { moe_sum_slots(P0, cond, RS, s); });
-    }
-    // Compare.
-    int bad = 0;
-    u32 pairs = 0;
-    for (u32 e = 0; e < c.n_expert; e++) pairs += route.row<u32>(0)[e];
-    if (pairs != c.active * c.n_used) {
-        printf("  route holds %u pairs, want %u\n", pairs, c.active * c.n_used);
-        bad++;
-    }
-    u32 nonzero = 0;
-    for (u32 y = 0; y < c.rows; y++) {
-        const bool live = y < c.active;
-        if (live) {
-            if (memcmp(mid_old.row<char>(y), mid_new.row<char>(y), mid_bytes)) {
-                printf("  row %u: mid differs\n", y);
-                bad++;
+        emu_launch({blocks_of(c.out_dim, 256), c.rows, 1}, 256, [&] { moe_sum_slots(P0, cond, RS, sum); });
+        // Compare.
+        int bad_mode = 0;
+        u32 pairs = 0, most = 0;
+        for (u32 e = 0; e < c.n_expert; e++) {
+            const u32 n = route.row<u32>(0)[e];
+            pairs += n;
+            most = n > most ? n : most;
+            if (!c.counts.empty() && n != c.counts[e]) {
+                printf("  expert %u has %u pairs, want %u\n", e, n, c.counts[e]);
+                bad_mode++;
             }
-            for (u32 b = 0; b < c.n_used * nbf; b++) {
-                const BlockQ8K& o = midq_old.row<BlockQ8K>(y)[b];
-                const BlockQ8K& n = midq_new.row<BlockQ8K>(y)[b];
-                if (memcmp(o.qs, n.qs, 256) || memcmp(o.bsums, n.bsums, 32) || memcmp(&o.d, &n.d, 4)) {
-                    printf("  row %u: mid Q8_K block %u differs\n", y, b);
-                    bad++;
+        }
+        if (pairs != c.active * c.n_used) {
+            printf("  route holds %u pairs, want %u\n", pairs, c.active * c.n_used);
+            bad_mode++;
+        }
+        u32 nonzero = 0;
+        for (u32 y = 0; y < c.rows; y++) {
+            const bool live = y < c.active;
+            if (live) {
+                if (memcmp(mid_old.row<char>(y), mid_new.row<char>(y), mid_bytes)) {
+                    printf("  row %u: mid differs\n", y);
+                    bad_mode++;
                 }
+                for (u32 b = 0; b < c.n_used * nbf; b++) {
+                    const BlockQ8K& o = midq_old.row<BlockQ8K>(y)[b];
+                    const BlockQ8K& n = midq_new.row<BlockQ8K>(y)[b];
+                    if (memcmp(o.qs, n.qs, 256) || memcmp(o.bsums, n.bsums, 32) || memcmp(&o.d, &n.d, 4)) {
+                        printf("  row %u: mid Q8_K block %u differs\n", y, b);
+                        bad_mode++;
+                    }
+                }
+            } else if (mid_new.row<u32>(y)[0] != 0xababababu) {
+                printf("  inactive row %u: mid written\n", y);
+                bad_mode++;
+            }
+            for (u32 r = 0; r < c.out_dim; r++) {
+                const float o = out_old.row<float>(y)[r], n = out_new.row<float>(y)[r];
+                u32 ob, nb_;
+                memcpy(&ob, &o, 4);
+                memcpy(&nb_, &n, 4);
+                if (ob != nb_) {
+                    if (bad_mode < 20) printf("  row %u out %u: %08x (%g) vs %08x (%g)\n", y, r, ob, o, nb_, n);
+                    bad_mode++;
+                }
+                if (!live && nb_ != 0xabababab) {
+                    printf("  inactive row %u written\n", y);
+                    bad_mode++;
+                }
+                nonzero += live && std::isfinite(o) && o != 0.0f;
             }
         }
-        for (u32 r = 0; r < c.out_dim; r++) {
-            const float o = out_old.row<float>(y)[r], n = out_new.row<float>(y)[r];
-            u32 ob, nb_;
-            memcpy(&ob, &o, 4);
-            memcpy(&nb_, &n, 4);
-            if (ob != nb_) {
-                if (bad < 20) printf("  row %u out %u: %08x (%g) vs %08x (%g)\n", y, r, ob, o, nb_, n);
-                bad++;
-            }
-            if (!live && nb_ != 0xabababab) {
-                printf("  inactive row %u written\n", y);
-                bad++;
-            }
-            nonzero += live && std::isfinite(o) && o != 0.0f;
-        }
+        printf("gate %u%s down %u%s in %u ff %u out %u experts %u used %u rows %u/%u (most pairs %u) %s: %s (%u of "
+               "%u outputs finite, nonzero)\n",
+               c.gate_ty, mma_gate_up ? " mma" : "", c.down_ty, mma_down ? " mma" : "", c.in_dim, c.ff, c.out_dim,
+               c.n_expert, c.n_used, c.active, c.rows, most, native ? "native" : "split",
+               bad_mode ? "DIFFER" : "same bits", nonzero, c.active * c.out_dim);
+        bad += bad_mode;
     }
-    printf("gate %u down %u in %u ff %u out %u experts %u used %u rows %u/%u %s: %s (%u of %u outputs finite, nonzero)\n",
-           c.gate_ty, c.down_ty, c.in_dim, c.ff, c.out_dim, c.n_expert, c.n_used, c.active, c.rows,
-           native ? "native" : "split", bad ? "DIFFER" : "same bits", nonzero, c.active * c.out_dim);
     return bad;
 }
 
+// The emulated m16n8k{16,32} int8 MMA against a plain integer product: fragments laid out by the
+// PTX ISA's element tables (element i of a lane's fragment, low to high), in two warps at once.
+template <int K> static int mma_check() {
+    int bad = 0;
+    for (int trial = 0; trial < 4; trial++) {
+        int A[2][16][K], B[2][K][8], C[2][16][8];
+        for (int w = 0; w < 2; w++) {
+            for (auto& row : A[w])
+                for (int& v : row) v = trial == 0 ? -128 + (int)(rnd() % 2) * 255 : (int)(rnd() % 256) - 128;
+            for (auto& row : B[w])
+                for (int& v : row) v = trial == 0 ? -128 : (int)(rnd() % 256) - 128;
+            for (auto& row : C[w])
+                for (int& v : row) v = (int)rnd();
+        }
+        int D[2][16][8];
+        emu_launch({1, 1, 1}, 64, [&] {
+            const unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+            unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+            int d[4];
+            for (unsigned i = 0; i < (unsigned)K / 2; i++) {  // A: K / 2 elements a lane
+                const unsigned row = K == 32 ? (i < 4 || (i >= 8 && i < 12) ? g : g + 8) : (i < 4 ? g : g + 8);
+                const unsigned col = t * 4 + (i & 3) + (K == 32 && i >= 8 ? 16 : 0);
+                a[i / 4] |= (unsigned)(A[w][row][col] & 255) << (8 * (i % 4));
+            }
+            for (unsigned i = 0; i < (unsigned)K / 4; i++) {  // B: K / 4 elements a lane
+                const unsigned row = t * 4 + (i & 3) + (i >= 4 ? 16 : 0);
+                b[i / 4] |= (unsigned)(B[w][row][g] & 255) << (8 * (i % 4));
+            }
+            for (unsigned i = 0; i < 4; i++) d[i] = C[w][i < 2 ? g : g + 8][t * 2 + (i & 1)];
+            emu_mma_s8<K>(d, a, b);
+            for (unsigned i = 0; i < 4; i++) D[w][i < 2 ? g : g + 8][t * 2 + (i & 1)] = d[i];
+        });
+        for (int w = 0; w < 2; w++)
+            for (int m = 0; m < 16; m++)
+                for (int n = 0; n < 8; n++) {
+                    long long s = C[w][m][n];
+                    for (int k = 0; k < K; k++) s += (long long)A[w][m][k] * B[w][k][n];
+                    if ((int)(unsigned)s != D[w][m][n]) bad++;
+                }
+    }
+    printf("emulated mma m16n8k%d .s8 against the plain product: %s\n", K, bad ? "DIFFER" : "same");
+    return bad;
+}
+
+#if !DS4_NATIVE_BLOCKS
+// The tensor-core gate/up's IQ2_XXS decode (iq2_xxs_entry: byte permutes, signs from the table or
+// by shifts) against iq2_xxs_sub_weights for every grid entry, sign field and entry position.
+static int iq2_decode_check(const std::vector<u64>& grid) {
+    int bad = 0;
+    emu_launch({1, 1, 1}, 256, [&] {
+        static u32 codes[256], signs[128];
+        iq2_nibble_tables(grid.data(), codes, signs);
+        if (threadIdx.x != 0) return;
+        for (u32 idx = 0; idx < 256; idx++)
+            for (u32 s = 0; s < 128; s++)
+                for (u32 l = 0; l < 4; l++) {
+                    const u32 aux0 = idx << (8 * l), aux1 = s << (7 * l);
+                    int want[8];
+                    iq2_xxs_sub_weights(aux0, aux1, grid.data(), want);
+                    u32 lo, hi, tlo, thi;
+                    iq2_xxs_entry<false>(aux0, aux1, l, codes, signs, &lo, &hi);
+                    iq2_xxs_entry<true>(aux0, aux1, l, codes, signs, &tlo, &thi);
+                    bad += lo != (u32)want[2 * l] || hi != (u32)want[2 * l + 1] || tlo != lo || thi != hi;
+                }
+    });
+    printf("IQ2_XXS byte-permute decode against iq2_xxs_sub_weights: %s\n", bad ? "DIFFER" : "same");
+    return bad;
+}
+#endif
+
 int main(int argc, char** argv) {
     const bool native = DS4_NATIVE_BLOCKS;
-    int bad = 0;
+    int bad = mma_check<16>() + mma_check<32>();
+#if !DS4_NATIVE_BLOCKS
+    {
+        std::vector<u64> grid(256);
+        const unsigned char gb[3] = {8, 25, 43};
+        for (auto& g : grid) {
+            g = 0;
+            for (int i = 0; i < 8; i++) g |= (u64)gb[rnd() % 3] << (8 * i);
+        }
+        bad += iq2_decode_check(grid);
+    }
+#endif
     const Config configs[] = {
         {16, 10, 512, 256, 263, 8, 3, 8, 6},    // Flash's types, odd n_used and out_dim, 2 rows past the tokens
         {16, 10, 256, 512, 256, 16, 4, 8, 8},   // all rows live
@@ -250,6 +382,10 @@ int main(int argc, char** argv) {
         {16, 12, 8448, 256, 32, 4, 2, 3, 2},    // 33 blocks: two 32-block chunks per row
         {16, 10, 512, 256, 64, 3, 2, 8, 7},     // 14 pairs on 3 experts: batches of pairs
         {16, 10, 8448, 256, 32, 2, 2, 5, 5},    // 5 pairs an expert, two chunks per row
+        // Experts of 0, 1, 3, 8, 9, 17 pairs: none, part of a tile of 8, whole tiles, and more.
+        {16, 10, 512, 512, 100, 8, 2, 22, 20, {0, 1, 3, 8, 9, 17, 0, 2}},
+        {16, 10, 8448, 256, 40, 8, 2, 21, 20, {2, 0, 17, 9, 8, 3, 1, 0}},  // two chunks per row
+        {16, 10, 4096, 2048, 48, 4, 2, 6, 5, {1, 3, 0, 6}},                 // Flash's widths (16, 8 blocks)
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     for (int i = 0; i < (int)(sizeof(configs) / sizeof(configs[0])); i++)
