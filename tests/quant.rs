@@ -484,40 +484,67 @@ fn dequantize_row_f32_and_i32() {
 fn decoded_row_dots_have_the_row_dots_bits() {
     use ds4::quant::{
         dot_f16_f32_canonical, dot_f16_rows8, dot_iq2_xxs_q8_k_canonical, dot_lane_major, dot_q2_k_q8_k_canonical,
-        dot_q8_0_canonical, to_lane_major, widen, DecodedRow,
+        dot_q8_0_canonical, to_lane_major, DecodedRow, QuantRows8,
     };
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits();
+    // The golden rows, and longer rows made of golden rows end to end: 80 Q8_0 blocks and 37
+    // k-quant blocks, more than one canonical chunk of 32 blocks with a short last one.
+    for (q8_0_blocks, k_blocks) in [(COLS / QK8_0, COLS / QK_K), (80, 37)] {
+        let rows = |ty: GgmlType, file: &str, blocks: usize| -> Vec<Vec<u8>> {
+            let raw = raw_rows(ty, file);
+            // Row r: golden rows r, r + 1, ... (cyclically), cut after `blocks` blocks.
+            (0..raw.len())
+                .map(|r| raw.iter().cycle().skip(r).flatten().take(blocks * ty.block_bytes()).copied().collect())
+                .collect()
+        };
+        let acts = |cols: usize| -> Vec<Vec<f32>> {
+            (0..5)
+                .map(|s| (0..cols).map(|i| ((i * 37 + s * 101) % 97) as f32 * 0.03 - 1.4 + s as f32 * 0.2).collect())
+                .collect()
+        };
+        // Five activations at once, 8 wide (three left empty).
+        let cols = q8_0_blocks * QK8_0;
+        let (mut xq, mut xd) = (vec![vec![0i8; cols]; 5], vec![vec![0f32; q8_0_blocks]; 5]);
+        for (k, x) in acts(cols).iter().enumerate() {
+            quantize_q8_0(x, &mut xq[k], &mut xd[k]);
+        }
+        let mut x8 = QuantRows8::default();
+        x8.set_q8_0(&xq.iter().zip(&xd).map(|(q, d)| (&q[..], &d[..])).collect::<Vec<_>>());
+        let mut d = DecodedRow::default();
+        for row in rows(GgmlType::Q8_0, "q8_0.bin", q8_0_blocks) {
+            d.load(GgmlType::Q8_0, &row);
+            let (ds4, canonical) = (d.dot_rows8(&x8, false), d.dot_rows8(&x8, true));
+            for k in 0..5 {
+                assert!(same(ds4[k], dot_q8_0(&row, &xq[k], &xd[k])), "q8_0, ds4 order");
+                assert!(same(canonical[k], dot_q8_0_canonical(&row, &xq[k], &xd[k])), "q8_0, canonical");
+            }
+        }
+        let mut y = vec![vec![BlockQ8K::default(); k_blocks]; 5];
+        for (k, x) in acts(k_blocks * QK_K).iter().enumerate() {
+            quantize_q8_k(x, &mut y[k]);
+        }
+        let mut y8 = QuantRows8::default();
+        y8.set_q8_k(&y.iter().map(|b| &b[..]).collect::<Vec<_>>());
+        for row in rows(GgmlType::Q2_K, "q2_k.bin", k_blocks) {
+            d.load(GgmlType::Q2_K, &row);
+            let (ds4, canonical) = (d.dot_rows8(&y8, false), d.dot_rows8(&y8, true));
+            for k in 0..5 {
+                assert!(same(ds4[k], dot_q2_k_q8_k(&row, &y[k])), "q2_k, ds4 order");
+                assert!(same(canonical[k], dot_q2_k_q8_k_canonical(&row, &y[k])), "q2_k, canonical");
+            }
+        }
+        for row in rows(GgmlType::IQ2_XXS, "iq2_xxs.bin", k_blocks) {
+            d.load(GgmlType::IQ2_XXS, &row);
+            let (ds4, canonical) = (d.dot_rows8(&y8, false), d.dot_rows8(&y8, true));
+            for k in 0..5 {
+                assert!(same(ds4[k], dot_iq2_xxs_q8_k(&row, &y[k])), "iq2_xxs, ds4 order");
+                assert!(same(canonical[k], dot_iq2_xxs_q8_k_canonical(&row, &y[k])), "iq2_xxs, canonical");
+            }
+        }
+    }
     let acts: Vec<Vec<f32>> = (0..5)
         .map(|s| (0..COLS).map(|i| ((i * 37 + s * 101) % 97) as f32 * 0.03 - 1.4 + s as f32 * 0.2).collect())
         .collect();
-    let same = |a: f32, b: f32| a.to_bits() == b.to_bits();
-    for x in &acts {
-        let (mut xq, mut xd) = (vec![0i8; COLS], vec![0f32; COLS / QK8_0]);
-        quantize_q8_0(x, &mut xq, &mut xd);
-        let mut x16 = vec![0i16; COLS];
-        widen(&xq, &mut x16);
-        let mut y = vec![BlockQ8K::default(); COLS / QK_K];
-        quantize_q8_k(x, &mut y);
-        let mut y16 = vec![0i16; COLS];
-        for (b, o) in y.iter().zip(y16.chunks_exact_mut(QK_K)) {
-            widen(&b.qs, o);
-        }
-        let mut d = DecodedRow::default();
-        for row in raw_rows(GgmlType::Q8_0, "q8_0.bin") {
-            d.load(GgmlType::Q8_0, &row);
-            assert!(same(d.dot_q8_0(&x16, &xd, false), dot_q8_0(&row, &xq, &xd)));
-            assert!(same(d.dot_q8_0(&x16, &xd, true), dot_q8_0_canonical(&row, &xq, &xd)));
-        }
-        for row in raw_rows(GgmlType::Q2_K, "q2_k.bin") {
-            d.load(GgmlType::Q2_K, &row);
-            assert!(same(d.dot_q8_k(&y, &y16, false), dot_q2_k_q8_k(&row, &y)));
-            assert!(same(d.dot_q8_k(&y, &y16, true), dot_q2_k_q8_k_canonical(&row, &y)));
-        }
-        for row in raw_rows(GgmlType::IQ2_XXS, "iq2_xxs.bin") {
-            d.load(GgmlType::IQ2_XXS, &row);
-            assert!(same(d.dot_q8_k(&y, &y16, false), dot_iq2_xxs_q8_k(&row, &y)));
-            assert!(same(d.dot_q8_k(&y, &y16, true), dot_iq2_xxs_q8_k_canonical(&row, &y)));
-        }
-    }
     // F16 rows against all five activations at once: interleaved 8 wide (three left empty) in
     // ds4's order, and in lane order in the canonical one.
     let mut x8 = vec![0f32; COLS * 8];

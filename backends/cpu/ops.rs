@@ -377,23 +377,30 @@ impl<'a> Ctx<'a> {
                     let (q, d) = (&mut xq[k * x_len..(k + 1) * x_len], &mut xd[k * x_len / 32..(k + 1) * x_len / 32]);
                     quant::quantize_q8_0(&xv[r * x_len..(r + 1) * x_len], q, d);
                 }
-                // Each weight row is decoded once and dotted with every row's activation: the
-                // bits of `dot_q8_0` (or its canonical form), without decoding the row n times.
-                let mut x16 = vec![0i16; xq.len()];
-                quant::widen(&xq, &mut x16);
+                // Each weight row is decoded once and dotted with the rows' activations 8 at a
+                // time (`QuantRows8`, one per group of the input and 8 rows): the bits of
+                // `dot_q8_0` (or its canonical form), without decoding the row n times.
+                let (groups, tg, blocks) = (groups as usize, n.div_ceil(8), in_dim / 32);
+                let mut acts = vec![quant::QuantRows8::default(); groups * tg];
+                for g in 0..groups {
+                    for q in 0..tg {
+                        let rows: Vec<(&[i8], &[f32])> = (q * 8..n.min(q * 8 + 8))
+                            .map(|k| {
+                                let base = k * x_len + g * in_dim;
+                                (&xq[base..base + in_dim], &xd[base / 32..base / 32 + blocks])
+                            })
+                            .collect();
+                        acts[g * tg + q].set_q8_0(&rows);
+                    }
+                }
                 tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, chunk)| {
                     let mut row = quant::DecodedRow::default();
                     for (j, o) in chunk.chunks_mut(n).enumerate() {
                         let r = c * ROWS_PER_TASK + j;
-                        let at = (r / rows_per_group) * in_dim;
+                        let g = r / rows_per_group;
                         row.load(GgmlType::Q8_0, &data[r * rb..(r + 1) * rb]);
-                        for (k, v) in o.iter_mut().enumerate() {
-                            let base = k * x_len + at;
-                            *v = row.dot_q8_0(
-                                &x16[base..base + in_dim],
-                                &xd[base / 32..(base + in_dim) / 32],
-                                canonical,
-                            );
+                        for (q, o8) in o.chunks_mut(8).enumerate() {
+                            o8.copy_from_slice(&row.dot_rows8(&acts[g * tg + q], canonical)[..o8.len()]);
                         }
                     }
                 });
@@ -518,10 +525,6 @@ impl<'a> Ctx<'a> {
         for (k, &r) in rows.iter().enumerate() {
             quant::quantize_q8_k(&self.f_all(x)[r * x_len..r * x_len + in_dim], &mut xq[k * nb..(k + 1) * nb]);
         }
-        let mut x16 = vec![0i16; n * in_dim];
-        for (b, o) in xq.iter().zip(x16.chunks_exact_mut(QK_K)) {
-            quant::widen(&b.qs, o);
-        }
         let (g_rb, u_rb, d_rb) = (gt.ty.row_bytes(in_dim), ut.ty.row_bytes(in_dim), dt.ty.row_bytes(ff));
         let c = math.canonical;
         let (gdot, udot, ddot) = (
@@ -530,7 +533,7 @@ impl<'a> Ctx<'a> {
             RowDot::new(dt.ty, expert_dot(dt.ty, c)?, c),
         );
 
-        // Gate and up: per expert, [ff row][pair].
+        // Gate and up: per expert, [ff row][pair]; the pairs' activations 8 at a time.
         let mids: Vec<Vec<f32>> = pairs
             .par_iter()
             .enumerate()
@@ -540,15 +543,21 @@ impl<'a> Ctx<'a> {
                 if np == 0 {
                     return m;
                 }
+                let acts: Vec<ExpertRows> = ps
+                    .chunks(8)
+                    .map(|p8| ExpertRows::new(p8.iter().map(|&(k, _)| &xq[k * nb..(k + 1) * nb])))
+                    .collect();
                 m.par_chunks_mut(ROWS_PER_TASK * np).enumerate().for_each(|(c, chunk)| {
                     let (mut g, mut u) = (gdot.clone(), udot.clone());
                     for (j, o) in chunk.chunks_mut(np).enumerate() {
                         let f = c * ROWS_PER_TASK + j;
                         g.load(&gd[(e * ff + f) * g_rb..(e * ff + f + 1) * g_rb]);
                         u.load(&ud[(e * ff + f) * u_rb..(e * ff + f + 1) * u_rb]);
-                        for (v, &(k, i)) in o.iter_mut().zip(ps) {
-                            let (xk, x16k) = (&xq[k * nb..(k + 1) * nb], &x16[k * in_dim..(k + 1) * in_dim]);
-                            *v = swiglu(math, g.dot(xk, x16k), u.dot(xk, x16k), clamp) * ew[rows[k] * n_used + i];
+                        for ((o8, p8), a) in o.chunks_mut(8).zip(ps.chunks(8)).zip(&acts) {
+                            let (gv, uv) = (g.dot8(a), u.dot8(a));
+                            for (q, (v, &(k, i))) in o8.iter_mut().zip(p8).enumerate() {
+                                *v = swiglu(math, gv[q], uv[q], clamp) * ew[rows[k] * n_used + i];
+                            }
                         }
                     }
                 });
@@ -569,10 +578,6 @@ impl<'a> Ctx<'a> {
         for (m, q) in mid.chunks_exact(ff).zip(midq.chunks_exact_mut(fb)) {
             quant::quantize_q8_k(m, q);
         }
-        let mut mid16 = vec![0i16; n * n_used * ff];
-        for (b, o) in midq.iter().zip(mid16.chunks_exact_mut(QK_K)) {
-            quant::widen(&b.qs, o);
-        }
 
         // Down: per expert, [out row][pair]; then each row sums its slots in order.
         let downs: Vec<Vec<f32>> = pairs
@@ -584,15 +589,22 @@ impl<'a> Ctx<'a> {
                 if np == 0 {
                     return d;
                 }
+                let acts: Vec<ExpertRows> = ps
+                    .chunks(8)
+                    .map(|p8| {
+                        ExpertRows::new(
+                            p8.iter().map(|&(k, i)| &midq[(k * n_used + i) * fb..(k * n_used + i + 1) * fb]),
+                        )
+                    })
+                    .collect();
                 d.par_chunks_mut(ROWS_PER_TASK * np).enumerate().for_each(|(c, chunk)| {
                     let mut dw = ddot.clone();
                     for (j, o) in chunk.chunks_mut(np).enumerate() {
                         let r = c * ROWS_PER_TASK + j;
                         let base = (e * out_dim + r) * d_rb;
                         dw.load(&dd[base..base + d_rb]);
-                        for (v, &(k, i)) in o.iter_mut().zip(ps) {
-                            let slot = k * n_used + i;
-                            *v = dw.dot(&midq[slot * fb..(slot + 1) * fb], &mid16[slot * ff..(slot + 1) * ff]);
+                        for (o8, a) in o.chunks_mut(8).zip(&acts) {
+                            o8.copy_from_slice(&dw.dot8(a)[..o8.len()]);
                         }
                     }
                 });
@@ -932,6 +944,22 @@ impl<'a> Ctx<'a> {
 
 type ExpertDot = fn(&[u8], &[BlockQ8K]) -> f32;
 
+/// Up to 8 Q8_K activations of an expert's (row, slot) pairs: as they are, for the row dot, and
+/// laid out for the decoded rows' 8-row dot.
+struct ExpertRows<'a> {
+    y: Vec<&'a [BlockQ8K]>,
+    rows8: quant::QuantRows8,
+}
+
+impl<'a> ExpertRows<'a> {
+    fn new(y: impl Iterator<Item = &'a [BlockQ8K]>) -> Self {
+        let y: Vec<&[BlockQ8K]> = y.collect();
+        let mut rows8 = quant::QuantRows8::default();
+        rows8.set_q8_k(&y);
+        ExpertRows { y, rows8 }
+    }
+}
+
 /// One expert weight row at a time against many Q8_K activations: decoded once where the type
 /// has a decoded form ([`quant::DecodedRow`], the same bits), else through the row dot.
 struct RowDot<'r> {
@@ -959,11 +987,17 @@ impl<'r> RowDot<'r> {
             None => self.raw = row,
         }
     }
-    /// The row's dot with `y`, whose quants widened are `y16`.
-    fn dot(&self, y: &[BlockQ8K], y16: &[i16]) -> f32 {
+    /// The row's dots with up to 8 activations (entries past `a.y.len()` are to be ignored).
+    fn dot8(&self, a: &ExpertRows) -> [f32; 8] {
         match &self.decoded {
-            Some(d) => d.dot_q8_k(y, y16, self.canonical),
-            None => (self.dot)(self.raw, y),
+            Some(d) => d.dot_rows8(&a.rows8, self.canonical),
+            None => {
+                let mut out = [0.0f32; 8];
+                for (o, y) in out.iter_mut().zip(&a.y) {
+                    *o = (self.dot)(self.raw, y);
+                }
+                out
+            }
         }
     }
 }
