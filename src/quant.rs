@@ -1027,59 +1027,55 @@ impl QuantRows8 {
     }
 }
 
-/// `out[b][j]` = the exact integer dot of block `b` of `w` with row `j`'s block `b` of `x`
-/// (blocks of `block` values, a multiple of 16; `x` in [`QuantRows8`]'s layout).
-fn isums8(w: &[i16], x: &[i16], block: usize, out: &mut [[i32; 8]]) {
-    assert!(block % 16 == 0 && w.len() >= out.len() * block && x.len() >= out.len() * 8 * block);
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked just above); the lengths are checked above.
-        return unsafe { isums8_avx2(w, x, block, out) };
+/// The exact integer dots of one weight block `w` (a multiple of 16 values) with the 8 rows'
+/// blocks in `x` (row `j` at `j · w.len()`, [`QuantRows8`]'s layout).
+#[inline(always)]
+fn isum8_portable(w: &[i16], x: &[i16]) -> [i32; 8] {
+    let mut out = [0i32; 8];
+    for (o, xj) in out.iter_mut().zip(x.chunks_exact(w.len())) {
+        *o = idot_portable(w, xj);
     }
-    for (b, o) in out.iter_mut().enumerate() {
-        let wb = &w[b * block..(b + 1) * block];
-        for (j, s) in o.iter_mut().enumerate() {
-            *s = idot_portable(wb, &x[(b * 8 + j) * block..][..block]);
-        }
-    }
+    out
 }
 
-/// [`isums8`] with AVX2's 16-bit multiply-add (16 products per instruction, adjacent pairs
-/// summed into 32 bits): each 16 weights are loaded once for the 8 rows. Integer sums are exact
-/// in any order, and the quant formats keep every pair's sum far inside i32.
+/// [`isum8_portable`] with AVX2's 16-bit multiply-add (16 products per instruction, adjacent
+/// pairs summed into 32 bits): each 16 weights are loaded once for the 8 rows. Integer sums are
+/// exact in any order, and the quant formats keep every pair's sum far inside i32.
 ///
-/// Safety: the CPU has AVX2; `block % 16 == 0`, `w` holds `out.len() * block` values and `x`
-/// `out.len() * 8 * block`.
+/// Safety: the CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn isums8_avx2(w: &[i16], x: &[i16], block: usize, out: &mut [[i32; 8]]) {
+#[inline]
+unsafe fn isum8_avx2(w: &[i16], x: &[i16]) -> [i32; 8] {
     use std::arch::x86_64::*;
-    for (b, o) in out.iter_mut().enumerate() {
-        let mut acc = [_mm256_setzero_si256(); 8];
-        for i in (0..block).step_by(16) {
-            // SAFETY: values b·block + i .. +16 of `w` and (b·8 + j)·block + i .. +16 of `x` exist
-            // (the caller's lengths); the loads are unaligned.
-            unsafe {
-                let wv = _mm256_loadu_si256(w.as_ptr().add(b * block + i) as *const __m256i);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_si256(x.as_ptr().add((b * 8 + j) * block + i) as *const __m256i);
-                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(wv, xv));
-                }
+    let block = w.len();
+    assert!(block % 16 == 0 && x.len() >= 8 * block);
+    let mut acc = [_mm256_setzero_si256(); 8];
+    for i in (0..block).step_by(16) {
+        // SAFETY: values i .. i + 16 of `w` and j·block + i .. + 16 of `x` exist (the lengths
+        // are checked above); the loads are unaligned.
+        unsafe {
+            let wv = _mm256_loadu_si256(w.as_ptr().add(i) as *const __m256i);
+            for (j, a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_si256(x.as_ptr().add(j * block + i) as *const __m256i);
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(wv, xv));
             }
         }
-        // The 8 accumulators' horizontal sums into one vector, lane j = row j: pairwise adds
-        // (within 128-bit halves), then the two halves added.
-        let h01 = _mm256_hadd_epi32(acc[0], acc[1]);
-        let h23 = _mm256_hadd_epi32(acc[2], acc[3]);
-        let h45 = _mm256_hadd_epi32(acc[4], acc[5]);
-        let h67 = _mm256_hadd_epi32(acc[6], acc[7]);
-        let h0123 = _mm256_hadd_epi32(h01, h23);
-        let h4567 = _mm256_hadd_epi32(h45, h67);
-        let lo = _mm256_permute2x128_si256::<0x20>(h0123, h4567);
-        let hi = _mm256_permute2x128_si256::<0x31>(h0123, h4567);
-        // SAFETY: `o` holds 8 i32 (32 bytes); the store is unaligned.
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, _mm256_add_epi32(lo, hi)) };
     }
+    // The 8 accumulators' horizontal sums into one vector, lane j = row j: pairwise adds (within
+    // 128-bit halves), then the two halves added.
+    let h01 = _mm256_hadd_epi32(acc[0], acc[1]);
+    let h23 = _mm256_hadd_epi32(acc[2], acc[3]);
+    let h45 = _mm256_hadd_epi32(acc[4], acc[5]);
+    let h67 = _mm256_hadd_epi32(acc[6], acc[7]);
+    let h0123 = _mm256_hadd_epi32(h01, h23);
+    let h4567 = _mm256_hadd_epi32(h45, h67);
+    let lo = _mm256_permute2x128_si256::<0x20>(h0123, h4567);
+    let hi = _mm256_permute2x128_si256::<0x31>(h0123, h4567);
+    let mut out = [0i32; 8];
+    // SAFETY: `out` holds 8 i32 (32 bytes); the store is unaligned.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, _mm256_add_epi32(lo, hi)) };
+    out
 }
 
 fn idot_portable(a: &[i16], b: &[i16]) -> i32 {
@@ -1192,40 +1188,6 @@ fn dot_lane_major_portable(w: &[f32], x: &[f32]) -> f32 {
     total
 }
 
-/// Adds one chunk of block terms (at most [`numerics::BLOCK_CHUNK`], for 8 rows side by side) to
-/// `total`: in ds4's order (sequentially), or as one chunk of the canonical block sum
-/// ([`numerics::sum_blocks`]: term `b` in lane `b`, the lanes combined by the butterfly). Each
-/// row's sum has the operations of the row dots above, in the same order.
-#[inline]
-fn add_terms8(canonical: bool, terms: &[[f32; 8]], total: &mut [f32; 8]) {
-    if canonical {
-        let mut lanes = [[0.0f32; 8]; numerics::LANES];
-        for (l, t) in lanes.iter_mut().zip(terms) {
-            for j in 0..8 {
-                l[j] += t[j];
-            }
-        }
-        let mut o = numerics::LANES / 2;
-        while o > 0 {
-            for l in 0..o {
-                for j in 0..8 {
-                    lanes[l][j] += lanes[l + o][j];
-                }
-            }
-            o /= 2;
-        }
-        for j in 0..8 {
-            total[j] += lanes[0][j];
-        }
-    } else {
-        for t in terms {
-            for j in 0..8 {
-                total[j] += t[j];
-            }
-        }
-    }
-}
-
 /// A weight row decoded once for dots with many activations (the rows of a prefill chunk), where
 /// the row dots above would decode it again for each. Per block: the integer weights, with the
 /// block's small integer scales folded in where its integer sum allows (`Σ s·Σ w·x = Σ (s·w)·x`,
@@ -1250,9 +1212,26 @@ impl DecodedRow {
         matches!(ty, GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS)
     }
 
-    /// Decodes `row`, a row of `ty` (one that [`DecodedRow::supports`]). The inner loops run over
-    /// fixed-size pieces, so that they compile to vector instructions.
+    /// Decodes `row`, a row of `ty` (one that [`DecodedRow::supports`]).
     pub fn load(&mut self, ty: GgmlType, row: &[u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { self.load_avx2(ty, row) };
+        }
+        self.load_portable(ty, row)
+    }
+
+    /// The same code compiled for AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_avx2(&mut self, ty: GgmlType, row: &[u8]) {
+        self.load_portable(ty, row)
+    }
+
+    /// The inner loops run over fixed-size pieces, so that they compile to vector instructions.
+    #[inline(always)]
+    fn load_portable(&mut self, ty: GgmlType, row: &[u8]) {
         let (elems, bytes) = (ty.block_elems(), ty.block_bytes());
         let blocks = row.len() / bytes;
         self.ty = Some(ty);
@@ -1279,13 +1258,15 @@ impl DecodedRow {
                     }
                     // Value k of the 32 at (half, j) is bits 2j of qs[32·half + k], scaled by the
                     // 4-bit scale of its 16 (`q2_k_term`'s layout).
-                    for (p, w16) in w.chunks_exact_mut(16).enumerate() {
-                        let (half, j, h) = (p / 8, (p / 2) % 4, p % 2);
-                        let w16: &mut [i16; 16] = w16.try_into().expect("16");
-                        let q: &[u8; 16] = qs[32 * half + 16 * h..][..16].try_into().expect("16");
-                        let s = i16::from(sc[8 * half + 2 * j + h] & 0x0f);
-                        for k in 0..16 {
-                            w16[k] = i16::from((q[k] >> (2 * j)) & 3) * s;
+                    for (half, w128) in w.chunks_exact_mut(128).enumerate() {
+                        let q: &[u8; 32] = qs[32 * half..32 * half + 32].try_into().expect("32");
+                        for (j, w32) in w128.chunks_exact_mut(32).enumerate() {
+                            let w32: &mut [i16; 32] = w32.try_into().expect("32");
+                            let (s0, s1) = (sc[8 * half + 2 * j] & 0x0f, sc[8 * half + 2 * j + 1] & 0x0f);
+                            for k in 0..32 {
+                                let s = if k < 16 { s0 } else { s1 };
+                                w32[k] = i16::from((q[k] >> (2 * j)) & 3) * i16::from(s);
+                            }
                         }
                     }
                 }
@@ -1312,53 +1293,86 @@ impl DecodedRow {
 
     /// The row's dot with each of 8 activations (`x`, of the type's activation format: Q8_0 for a
     /// Q8_0 row, Q8_K for Q2_K and IQ2_XXS), with the bits of the row dot ([`dot_q8_0`],
-    /// [`dot_q2_k_q8_k`], [`dot_iq2_xxs_q8_k`] or their canonical forms). The blocks go 32 at a
-    /// time (one canonical chunk): every integer sum first, in one call, then the float terms.
+    /// [`dot_q2_k_q8_k`], [`dot_iq2_xxs_q8_k`] or their canonical forms): per block the 8 integer
+    /// sums, then the 8 float terms side by side, each the row dot's expression, added in its order.
     pub fn dot_rows8(&self, x: &QuantRows8, canonical: bool) -> [f32; 8] {
-        const C: usize = numerics::BLOCK_CHUNK;
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { self.dot_rows8_avx2(x, canonical) };
+        }
+        self.dot_rows8_with(x, canonical, isum8_portable)
+    }
+
+    /// [`DecodedRow::dot_rows8`] compiled for AVX2 (the 8 rows' float terms in one vector), with
+    /// [`isum8_avx2`]. Each product and sum still rounds on its own (Rust never contracts
+    /// `a * b + c` into a fused multiply-add).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot_rows8_avx2(&self, x: &QuantRows8, canonical: bool) -> [f32; 8] {
+        // SAFETY: the CPU has AVX2 (this function's caller checked).
+        self.dot_rows8_with(x, canonical, |w, x| unsafe { isum8_avx2(w, x) })
+    }
+
+    #[inline(always)]
+    fn dot_rows8_with(&self, x: &QuantRows8, canonical: bool, isum8: impl Fn(&[i16], &[i16]) -> [i32; 8]) -> [f32; 8] {
+        const L: usize = numerics::LANES;
         let e = x.block;
         let blocks = self.d.len().min(x.d.len());
         debug_assert_eq!(Some(e), self.ty.map(GgmlType::block_elems));
         let mut total = [0.0f32; 8];
-        let mut isum = [[0i32; 8]; C];
-        let mut summs = [[0i32; 8]; C];
-        let mut terms = [[0.0f32; 8]; C];
-        let mut c0 = 0;
-        while c0 < blocks {
-            let m = C.min(blocks - c0);
-            isums8(&self.w[c0 * e..(c0 + m) * e], &x.q[c0 * 8 * e..(c0 + m) * 8 * e], e, &mut isum[..m]);
-            let (wd, xd) = (&self.d[c0..c0 + m], &x.d[c0..c0 + m]);
+        // Canonical order (`numerics::sum_blocks`): block b's term in lane b % 32 of its chunk of
+        // 32 blocks, the chunk's lanes combined by the butterfly and added to the total.
+        let mut lanes = [[0.0f32; 8]; L];
+        for b in 0..blocks {
+            let isum = isum8(&self.w[b * e..(b + 1) * e], &x.q[b * 8 * e..(b + 1) * 8 * e]);
+            let (wd, xd) = (self.d[b], &x.d[b]);
+            let mut t = [0.0f32; 8];
             match self.ty {
                 Some(GgmlType::Q8_0) | Some(GgmlType::IQ2_XXS) => {
-                    for b in 0..m {
-                        for j in 0..8 {
-                            terms[b][j] = wd[b] * xd[b][j] * isum[b][j] as f32;
-                        }
+                    for j in 0..8 {
+                        t[j] = wd * xd[j] * isum[j] as f32;
                     }
                 }
                 Some(GgmlType::Q2_K) => {
-                    isums8(
-                        &self.mins[c0 * 16..(c0 + m) * 16],
-                        &x.bsums[c0 * 8 * 16..(c0 + m) * 8 * 16],
-                        16,
-                        &mut summs[..m],
-                    );
-                    for b in 0..m {
-                        for j in 0..8 {
-                            let dall = xd[b][j] * wd[b];
-                            let dmin = xd[b][j] * self.dmin[c0 + b];
-                            terms[b][j] = dall * isum[b][j] as f32 - dmin * summs[b][j] as f32;
-                        }
+                    let summs = isum8(&self.mins[b * 16..(b + 1) * 16], &x.bsums[b * 8 * 16..(b + 1) * 8 * 16]);
+                    for j in 0..8 {
+                        let dall = xd[j] * wd;
+                        let dmin = xd[j] * self.dmin[b];
+                        t[j] = dall * isum[j] as f32 - dmin * summs[j] as f32;
                     }
                 }
                 _ => return [f32::NAN; 8],
             }
-            add_terms8(canonical, &terms[..m], &mut total);
-            c0 += m;
+            if canonical {
+                let lane = &mut lanes[b % L];
+                for j in 0..8 {
+                    lane[j] += t[j];
+                }
+                if b % L == L - 1 || b + 1 == blocks {
+                    let mut o = L / 2;
+                    while o > 0 {
+                        for l in 0..o {
+                            for j in 0..8 {
+                                lanes[l][j] += lanes[l + o][j];
+                            }
+                        }
+                        o /= 2;
+                    }
+                    for j in 0..8 {
+                        total[j] += lanes[0][j];
+                    }
+                    lanes = [[0.0f32; 8]; L];
+                }
+            } else {
+                for j in 0..8 {
+                    total[j] += t[j];
+                }
+            }
         }
         if self.ty == Some(GgmlType::IQ2_XXS) {
-            for t in &mut total {
-                *t = 0.125 * *t;
+            for v in &mut total {
+                *v = 0.125 * *v;
             }
         }
         total
@@ -1418,32 +1432,44 @@ mod tests {
         }
     }
 
-    /// The integer block dots for 8 rows (AVX2 where the CPU has it) equal the plain loop, for
-    /// the block sizes used and the extremes the formats reach.
+    /// The integer block dots for 8 rows (portable, and AVX2 where the CPU has it) equal the
+    /// plain loop, for the block sizes used and the extremes the formats reach.
     #[test]
     fn integer_dots_equal_the_plain_loop() {
+        let kernels = |w: &[i16], x: &[i16], block: usize, blocks: usize| -> Vec<Vec<[i32; 8]>> {
+            let per_block = |k: &dyn Fn(&[i16], &[i16]) -> [i32; 8]| -> Vec<[i32; 8]> {
+                (0..blocks).map(|b| k(&w[b * block..(b + 1) * block], &x[b * 8 * block..(b + 1) * 8 * block])).collect()
+            };
+            let mut outs = vec![per_block(&|w, x| isum8_portable(w, x))];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                outs.push(per_block(&|w, x| unsafe { isum8_avx2(w, x) }));
+            }
+            outs
+        };
         let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for block in [16usize, 32, 256] {
             for range in [128i64, 2048, 16384] {
                 let blocks = 5;
                 let w: Vec<i16> = (0..blocks * block).map(|_| (next() as i64 % range) as i16).collect();
                 let x: Vec<i16> = (0..blocks * 8 * block).map(|_| (next() as i64 % range) as i16).collect();
-                let mut out = vec![[0i32; 8]; blocks];
-                isums8(&w, &x, block, &mut out);
-                for (b, o) in out.iter().enumerate() {
-                    for (j, &s) in o.iter().enumerate() {
-                        let (wb, xb) = (&w[b * block..(b + 1) * block], &x[(b * 8 + j) * block..][..block]);
-                        let plain: i32 = wb.iter().zip(xb).map(|(&p, &q)| i32::from(p) * i32::from(q)).sum();
-                        assert_eq!(s, plain, "block {block}, range {range}");
-                        assert_eq!(idot_portable(wb, xb), plain, "block {block}, range {range}");
+                for out in kernels(&w, &x, block, blocks) {
+                    for (b, o) in out.iter().enumerate() {
+                        for (j, &s) in o.iter().enumerate() {
+                            let (wb, xb) = (&w[b * block..(b + 1) * block], &x[(b * 8 + j) * block..][..block]);
+                            let plain: i32 = wb.iter().zip(xb).map(|(&p, &q)| i32::from(p) * i32::from(q)).sum();
+                            assert_eq!(s, plain, "block {block}, range {range}");
+                        }
                     }
                 }
             }
         }
-        let (w, x): (Vec<i16>, Vec<i16>) = (0..32 * 8).map(|i| ((i * 37 % 255) as i16 - 127, -128i16)).unzip();
-        let mut out = vec![[0i32; 8]; 1];
-        isums8(&w[..32], &x, 32, &mut out);
-        assert_eq!(out[0], [idot_portable(&w[..32], &x[..32]); 8]);
+        let w: Vec<i16> = (0..32).map(|i| (i * 37 % 255) as i16 - 127).collect();
+        let plain: i32 = w.iter().map(|&v| i32::from(v) * -128).sum();
+        for out in kernels(&w, &[-128i16; 32 * 8], 32, 1) {
+            assert_eq!(out[0], [plain; 8]);
+        }
     }
 
     #[test]
