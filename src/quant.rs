@@ -1122,25 +1122,23 @@ fn dot_f16_rows8_portable(w: &[f32], x8: &[f32], out: &mut [f32; 8]) {
     *out = acc;
 }
 
-/// A canonical F16 dot's terms in lane order: inside each whole 512-term chunk, term
-/// `(u·32 + l)·8 + k` (lane `l`'s `k`-th term of step `u`) moves to `(u·8 + k)·32 + l`, so the 32
-/// lane sums advance side by side over contiguous values (vector instructions) while each lane
-/// still adds its own terms in increasing order. A short last chunk keeps its order.
+/// A canonical F16 dot's terms in lane order: inside each whole step of 256 terms (8 terms for
+/// each of the 32 lanes; a 512-term chunk is two steps), term `l·8 + k` (lane `l`'s `k`-th term)
+/// moves to `k·32 + l`, so the 32 lane sums advance side by side over contiguous values (vector
+/// instructions) while each lane still adds its own terms in increasing order. The terms after
+/// the last whole step keep their order.
 pub fn to_lane_major(v: &[f32], out: &mut [f32]) {
     const W: usize = numerics::F16_WIDTH;
-    const C: usize = numerics::CHUNK;
     const L: usize = numerics::LANES;
-    let full = v.len() / C * C;
-    for (src, dst) in v[..full].chunks_exact(C).zip(out[..full].chunks_exact_mut(C)) {
-        for u in 0..C / (W * L) {
-            for l in 0..L {
-                for k in 0..W {
-                    dst[(u * W + k) * L + l] = src[(u * L + l) * W + k];
-                }
+    let steps = v.len() / (W * L) * (W * L);
+    for (src, dst) in v[..steps].chunks_exact(W * L).zip(out[..steps].chunks_exact_mut(W * L)) {
+        for l in 0..L {
+            for k in 0..W {
+                dst[k * L + l] = src[l * W + k];
             }
         }
     }
-    out[full..v.len()].copy_from_slice(&v[full..]);
+    out[steps..v.len()].copy_from_slice(&v[steps..]);
 }
 
 /// [`dot_f16_f32_canonical`] of a row converted to f32 and a vector, both in lane order
@@ -1168,22 +1166,27 @@ fn dot_lane_major_portable(w: &[f32], x: &[f32]) -> f32 {
     const C: usize = numerics::CHUNK;
     const L: usize = numerics::LANES;
     let n = w.len().min(x.len());
-    let full = n / C * C;
+    let steps = n / (W * L) * (W * L);
     let mut total = 0.0f32;
-    for (wc, xc) in w[..full].chunks_exact(C).zip(x[..full].chunks_exact(C)) {
+    let mut c0 = 0;
+    while c0 < n {
+        let end = (c0 + C).min(n);
         let mut acc = [0.0f32; L];
-        for (wr, xr) in wc.chunks_exact(L).zip(xc.chunks_exact(L)) {
+        // The chunk's whole steps in lane order, then the terms after the last one (in the last
+        // chunk only) in their order, each to its lane.
+        let lane_end = end.min(steps).max(c0);
+        for (wr, xr) in w[c0..lane_end].chunks_exact(L).zip(x[c0..lane_end].chunks_exact(L)) {
             let wr: &[f32; L] = wr.try_into().expect("lane row");
             let xr: &[f32; L] = xr.try_into().expect("lane row");
             for l in 0..L {
                 acc[l] += wr[l] * xr[l];
             }
         }
+        for i in lane_end..end {
+            acc[((i - c0) / W) % L] += w[i] * x[i];
+        }
         total += numerics::tree32(acc);
-    }
-    if n > full {
-        let (w, x) = (&w[full..n], &x[full..n]);
-        total += numerics::sum::<W, C>(n - full, |i| w[i] * x[i]);
+        c0 = end;
     }
     total
 }
@@ -1420,7 +1423,7 @@ mod tests {
     #[test]
     fn lane_major_dots_equal_the_canonical_f16_dot() {
         let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
-        for n in [8usize, 504, 512, 1024, 1536 + 8, 4096, 16384 + 136] {
+        for n in [8usize, 256, 264, 300, 504, 512, 768, 868, 1024, 1536 + 8, 4096, 16384 + 136] {
             let (bytes, w32) = f16_row(n, &mut next);
             let x: Vec<f32> = (0..n).map(|_| ((next() % 2_000_001) as f32 / 1_000_000.0 - 1.0) * 3.0).collect();
             let (mut wt, mut xt) = (vec![0.0; n], vec![0.0; n]);
