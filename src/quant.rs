@@ -1142,50 +1142,62 @@ pub fn to_lane_major(v: &[f32], out: &mut [f32]) {
 }
 
 /// [`dot_f16_f32_canonical`] of a row converted to f32 and a vector, both in lane order
-/// ([`to_lane_major`]): the same terms added in the same order, so the same bits.
+/// ([`to_lane_major`]): the same terms added in the same order, so the same bits. (The pair's
+/// code with the vector twice: it serves the odd last row of a chunk.)
 pub fn dot_lane_major(w: &[f32], x: &[f32]) -> f32 {
+    dot_lane_major2(w, x, x)[0]
+}
+
+/// [`dot_lane_major`] of one row with two vectors at once: the row is read once for both, and
+/// the two vectors' 32 lane sums (independent additions) advance side by side.
+pub fn dot_lane_major2(w: &[f32], a: &[f32], b: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { dot_lane_major_avx2(w, x) };
+        return unsafe { dot_lane_major2_avx2(w, a, b) };
     }
-    dot_lane_major_portable(w, x)
+    dot_lane_major2_portable(w, a, b)
 }
 
 /// The same code compiled for AVX2: 8 lanes per instruction. Each product and sum still rounds
 /// on its own (Rust never contracts `a * b + c` into a fused multiply-add).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn dot_lane_major_avx2(w: &[f32], x: &[f32]) -> f32 {
-    dot_lane_major_portable(w, x)
+unsafe fn dot_lane_major2_avx2(w: &[f32], a: &[f32], b: &[f32]) -> [f32; 2] {
+    dot_lane_major2_portable(w, a, b)
 }
 
 #[inline(always)]
-fn dot_lane_major_portable(w: &[f32], x: &[f32]) -> f32 {
+fn dot_lane_major2_portable(w: &[f32], a: &[f32], b: &[f32]) -> [f32; 2] {
     const W: usize = numerics::F16_WIDTH;
     const C: usize = numerics::CHUNK;
     const L: usize = numerics::LANES;
-    let n = w.len().min(x.len());
+    let n = w.len().min(a.len()).min(b.len());
     let steps = n / (W * L) * (W * L);
-    let mut total = 0.0f32;
+    let mut total = [0.0f32; 2];
     let mut c0 = 0;
     while c0 < n {
         let end = (c0 + C).min(n);
-        let mut acc = [0.0f32; L];
+        let (mut sa, mut sb) = ([0.0f32; L], [0.0f32; L]);
         // The chunk's whole steps in lane order, then the terms after the last one (in the last
         // chunk only) in their order, each to its lane.
-        let lane_end = end.min(steps).max(c0);
-        for (wr, xr) in w[c0..lane_end].chunks_exact(L).zip(x[c0..lane_end].chunks_exact(L)) {
+        let le = end.min(steps).max(c0);
+        let rows = w[c0..le].chunks_exact(L).zip(a[c0..le].chunks_exact(L)).zip(b[c0..le].chunks_exact(L));
+        for ((wr, ar), br) in rows {
             let wr: &[f32; L] = wr.try_into().expect("lane row");
-            let xr: &[f32; L] = xr.try_into().expect("lane row");
+            let ar: &[f32; L] = ar.try_into().expect("lane row");
+            let br: &[f32; L] = br.try_into().expect("lane row");
             for l in 0..L {
-                acc[l] += wr[l] * xr[l];
+                sa[l] += wr[l] * ar[l];
+                sb[l] += wr[l] * br[l];
             }
         }
-        for i in lane_end..end {
-            acc[((i - c0) / W) % L] += w[i] * x[i];
+        for i in le..end {
+            sa[((i - c0) / W) % L] += w[i] * a[i];
+            sb[((i - c0) / W) % L] += w[i] * b[i];
         }
-        total += numerics::tree32(acc);
+        total[0] += numerics::tree32(sa);
+        total[1] += numerics::tree32(sb);
         c0 = end;
     }
     total
@@ -1431,7 +1443,12 @@ mod tests {
             to_lane_major(&x, &mut xt);
             let want = dot_f16_f32_canonical(&bytes, &x);
             assert_eq!(dot_lane_major(&wt, &xt).to_bits(), want.to_bits(), "n = {n}");
-            assert_eq!(dot_lane_major_portable(&wt, &xt).to_bits(), want.to_bits(), "n = {n}");
+            let (mut x2, mut x2t) = (x.clone(), vec![0.0; n]);
+            x2.reverse();
+            to_lane_major(&x2, &mut x2t);
+            let want2 = [want, dot_f16_f32_canonical(&bytes, &x2)].map(f32::to_bits);
+            assert_eq!(dot_lane_major2(&wt, &xt, &x2t).map(f32::to_bits), want2, "n = {n}");
+            assert_eq!(dot_lane_major2_portable(&wt, &xt, &x2t).map(f32::to_bits), want2, "n = {n}");
         }
     }
 

@@ -425,8 +425,14 @@ impl<'a> Ctx<'a> {
                             *d = quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
                         }
                         quant::to_lane_major(&w32, &mut wt);
-                        for (k, v) in o.iter_mut().enumerate() {
-                            *v = quant::dot_lane_major(&wt, &xt[k * x_len + at..][..in_dim]);
+                        // Two rows' inputs at a time: twice the independent lane sums.
+                        let x = |k: usize| &xt[k * x_len + at..][..in_dim];
+                        for (q, o2) in o.chunks_mut(2).enumerate() {
+                            if let [a, b] = o2 {
+                                [*a, *b] = quant::dot_lane_major2(&wt, x(2 * q), x(2 * q + 1));
+                            } else {
+                                o2[0] = quant::dot_lane_major(&wt, x(2 * q));
+                            }
                         }
                     }
                 });
