@@ -1049,7 +1049,7 @@ fn isum8_portable(w: &[i16], x: &[i16]) -> [i32; 8] {
 unsafe fn isum8_avx2(w: &[i16], x: &[i16]) -> [i32; 8] {
     use std::arch::x86_64::*;
     let block = w.len();
-    assert!(block % 16 == 0 && x.len() >= 8 * block);
+    assert!(block.is_multiple_of(16) && x.len() >= 8 * block);
     let mut acc = [_mm256_setzero_si256(); 8];
     for i in (0..block).step_by(16) {
         // SAFETY: values i .. i + 16 of `w` and j·block + i .. + 16 of `x` exist (the lengths
@@ -1368,14 +1368,15 @@ impl DecodedRow {
                     let mut o = L / 2;
                     while o > 0 {
                         for l in 0..o {
-                            for j in 0..8 {
-                                lanes[l][j] += lanes[l + o][j];
+                            let high = lanes[l + o];
+                            for (v, h) in lanes[l].iter_mut().zip(high) {
+                                *v += h;
                             }
                         }
                         o /= 2;
                     }
-                    for j in 0..8 {
-                        total[j] += lanes[0][j];
+                    for (s, &v) in total.iter_mut().zip(&lanes[0]) {
+                        *s += v;
                     }
                     lanes = [[0.0f32; 8]; L];
                 }
@@ -1386,8 +1387,9 @@ impl DecodedRow {
             }
         }
         if self.ty == Some(GgmlType::IQ2_XXS) {
+            // `0.125 * sum`, as the row dot (the product is the same either way round).
             for v in &mut total {
-                *v = 0.125 * *v;
+                *v *= 0.125;
             }
         }
         total
@@ -1456,8 +1458,9 @@ mod tests {
     /// plain loop, for the block sizes used and the extremes the formats reach.
     #[test]
     fn integer_dots_equal_the_plain_loop() {
+        type Kernel<'k> = &'k dyn Fn(&[i16], &[i16]) -> [i32; 8];
         let kernels = |w: &[i16], x: &[i16], block: usize, blocks: usize| -> Vec<Vec<[i32; 8]>> {
-            let per_block = |k: &dyn Fn(&[i16], &[i16]) -> [i32; 8]| -> Vec<[i32; 8]> {
+            let per_block = |k: Kernel| -> Vec<[i32; 8]> {
                 (0..blocks).map(|b| k(&w[b * block..(b + 1) * block], &x[b * 8 * block..(b + 1) * 8 * block])).collect()
             };
             let mut outs = vec![per_block(&|w, x| isum8_portable(w, x))];
