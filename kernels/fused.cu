@@ -287,6 +287,33 @@ __device__ __forceinline__ void hc_pre_norm_chunk(const HcPreArgs& a, float s2, 
     }
 }
 
+// The first group's tail from the mix rows 0..4 (in shared memory): the pre gates, the weighted
+// sum of the streams and the sublayer norm with its quantizations. All threads of the block.
+__device__ __forceinline__ void hc_pre_finish(const HcPreArgs& a, const float* mix) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float pre[4];
+    if (threadIdx.x < 4) {
+        pre[threadIdx.x] = hc_pre_gate(mix[threadIdx.x], a.scale, a.base[threadIdx.x], a.eps_hc);
+        a.split[threadIdx.x] = pre[threadIdx.x];
+    }
+    __syncthreads();
+    // Each warp keeps its chunks of `cur` in registers (the plan asks n_embd <= 16 * 512).
+    __shared__ float cur_ss[HC_PRE_MAX_EMBD / DS4_CHUNK];
+    const u32 ne_chunks = (a.n_embd + DS4_CHUNK - 1) / DS4_CHUNK;
+    HcPreChunk cc;
+    if (warp < ne_chunks) {
+        const float sq = hc_pre_cur_chunk(a, pre, warp, lane, &cc);
+        if (lane == 0) cur_ss[warp] = sq;
+    }
+    __syncthreads();
+    if (warp < ne_chunks) {
+        float ss2 = 0.0f;
+        for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
+        const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
+        hc_pre_norm_chunk(a, s2, warp, lane, &cc);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS, HcPreArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
@@ -325,26 +352,44 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         return;
     }
     hc_pre_mix_rows(a, 0, 4, mix);
-    __shared__ float pre[4];
-    if (threadIdx.x < 4) {
-        pre[threadIdx.x] = hc_pre_gate(mix[threadIdx.x], a.scale, a.base[threadIdx.x], a.eps_hc);
-        a.split[threadIdx.x] = pre[threadIdx.x];
-    }
-    __syncthreads();
-    // Each warp keeps its chunks of `cur` in registers (the plan asks n_embd <= 16 * 512).
-    __shared__ float cur_ss[HC_PRE_MAX_EMBD / DS4_CHUNK];
-    const u32 ne_chunks = (a.n_embd + DS4_CHUNK - 1) / DS4_CHUNK;
-    HcPreChunk cc;
-    if (warp < ne_chunks) {
-        const float sq = hc_pre_cur_chunk(a, pre, warp, lane, &cc);
-        if (lane == 0) cur_ss[warp] = sq;
-    }
-    __syncthreads();
-    if (warp < ne_chunks) {
-        float ss2 = 0.0f;
-        for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
-        const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
-        hc_pre_norm_chunk(a, s2, warp, lane, &cc);
-    }
+    hc_pre_finish(a, mix);
     if (threadIdx.x == 0) a.tickets[ticket] = 0;
 }
+
+#if DS4_CHUNK_ROWS
+// hc_pre in three launches for a chunk's token rows, the same bits: hc_pre_flat (per token row:
+// the streams' RMS scale and `flat`, a warp per 512-chunk as hc_pre's row-0 warps write it),
+// hc_pre_mix (the control projection of every token row as a tile product, f16_tile: each weight
+// read once per 32 token rows; `flat` is exactly the x * scale hc_pre multiplies the weights by),
+// hc_pre_tail (per token row: block 0 the pre gates, weighted sum and norm, block 1 the Sinkhorn
+// split, as hc_pre's two last blocks do).
+extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_flat(DS4_ARGS, HcPreArgs a) {
+    DS4_GUARD;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 n = a.hc_dim, nc = a.n_chunks;
+    float scale;
+    if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
+    else scale = rms_scale_block(a.x, n, a.eps_flat);
+    const u32 c = (blockIdx.x * HC_PRE_WARPS + warp) * DS4_CHUNK;
+    if (c < n)
+        for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = a.x[c + i] * scale;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) hc_pre_mix(DS4_ARGS, HcPreArgs a) {
+    F16Tile j;
+    j.w = a.fn_w, j.w2 = nullptr, j.x = a.flat, j.out = a.mix, j.out2 = nullptr, j.partial = a.partial;
+    j.tickets = a.tickets, j.x_stride = R.s[4], j.out_stride = R.s[5], j.out2_stride = 0;
+    j.partial_stride = R.s[2], j.tickets_stride = R.s[3];
+    j.rows = a.mix_rows, j.rows2 = 0, j.in_dim = a.hc_dim, j.ticket = a.ticket;
+    f16_tile(P, cond, j);
+}
+
+extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_tail(DS4_ARGS, HcPreArgs a) {
+    DS4_GUARD;
+    __shared__ float mix[32];
+    if (threadIdx.x < a.mix_rows) mix[threadIdx.x] = a.mix[threadIdx.x];
+    __syncthreads();
+    if (blockIdx.x == 0) hc_pre_finish(a, mix);
+    else if (threadIdx.x < 32) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
+}
+#endif

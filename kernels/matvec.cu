@@ -545,6 +545,264 @@ extern "C" __global__ void mat_mul_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
     if (threadIdx.x == 0) *ticket = 0;
 }
 #undef ROW_PTR
+
+// The chunk build's F16 products as register tiles (mat_mul_f16_tile, mat_mul_f16_split_tile and
+// hc_pre_mix): a block of 256 threads takes F16T_ROWS matrix rows x F16T_TOKENS token rows, a
+// thread F16T_TR x F16T_TT of them (rows ty + 16 i, tokens tx + 16 j), so each staged weight
+// feeds F16T_TOKENS token rows and each staged input F16T_ROWS matrix rows. Every output is the
+// per-row kernels' sum: per 512-term chunk the 32 lane sums (lane l: its 16 products of terms
+// 256 u + 8 l + k, in that order, from +0), merged in warp_sum's tree by one thread (leaves in
+// bit-reversed order), the chunk sums added in order from +0.
+//
+// A chunk is staged in eighths: leaves 4e .. 4e + 3 of the bit-reversed order are lanes
+// bitrev3(e) + 8 bitrev2(m), m = 0..3, so eighth e holds those 4 lanes' 64 terms and closes a
+// 4-leaf subtree; the eighths' subtrees merge as a binary counter (p2, p3, p4). Terms past in_dim
+// are staged as +0 (weight and input), so their products are +0: they can change only the sign
+// of a zero lane sum, which the chunk sums' +0 start absorbs. The first product of a lane sum
+// skips the add to +0 (the same argument: only the sign of a zero can differ).
+//
+// gridDim.x is (matrix-row tiles) x (K splits): with K splits > 1 each block takes a run of
+// chunks, writes their sums to `partial`, and the tile's last block (a ticket per tile: tile t
+// uses the ticket word of token row t) adds every chunk sum in order from +0.
+#ifndef F16T_TR
+#define F16T_TR 4
+#endif
+#ifndef F16T_TT
+#define F16T_TT 2
+#endif
+#define F16T_ROWS (16 * F16T_TR)
+#define F16T_TOKENS (16 * F16T_TT)
+// Floats per staged row: 64 terms and 4 more, so that 8 consecutive rows start in 8 bank groups.
+#define F16T_PITCH 68
+
+struct F16Tile {
+    const u16* w;   // matrix rows 0 .. rows
+    const u16* w2;  // matrix rows rows .. rows + rows2
+    const float* x;  // token row y at byte y * x_stride
+    float* out;
+    float* out2;
+    float* partial;
+    u32* tickets;
+    u32 x_stride, out_stride, out2_stride, partial_stride, tickets_stride;
+    u32 rows, rows2, in_dim, ticket;
+};
+
+__device__ __forceinline__ constexpr u32 bit_reverse3(u32 i) { return ((i & 1) << 2) | (i & 2) | ((i & 4) >> 2); }
+
+__device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F16Tile& j) {
+    static_assert(F16T_TR % 2 == 0 && F16T_TT % 2 == 0, "a thread stages TR / 2 weight and TT / 2 input units");
+    __shared__ __align__(16) float ws[F16T_ROWS * F16T_PITCH];
+    __shared__ __align__(16) float xs[F16T_TOKENS * F16T_PITCH];
+    __shared__ bool last;
+    const u32 y0 = blockIdx.y * F16T_TOKENS;
+    u32 active = 0;
+#pragma unroll
+    for (u32 t = 0; t < F16T_TOKENS; t++)
+        if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
+    ds4_wait_predecessor();
+    if (!active) return;  // the whole tile's blocks: none takes the ticket
+    const u32 all_rows = j.rows + j.rows2;
+    const u32 row_tiles = (all_rows + F16T_ROWS - 1) / F16T_ROWS;
+    const u32 ksplit = gridDim.x / row_tiles;
+    const u32 rt = blockIdx.x / ksplit, ks = blockIdx.x % ksplit;
+    const u32 r0 = rt * F16T_ROWS;
+    const u32 n_chunks = (j.in_dim + DS4_CHUNK - 1) / DS4_CHUNK;
+    const u32 per = (n_chunks + ksplit - 1) / ksplit;
+    const u32 c0 = min(ks * per, n_chunks), c1 = min(c0 + per, n_chunks);
+    const u32 tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+
+    // Staging: unit e of an eighth is 8 consecutive terms of one row: row e / 8, half u, lane slot q.
+    uint4 wq[F16T_TR / 2];
+    float4 xa[F16T_TT / 2], xb[F16T_TT / 2];
+    auto fetch = [&](u32 s) {
+        const u32 c = c0 + s / 8, g = bit_reverse3(s % 8);
+#pragma unroll
+        for (u32 k = 0; k < F16T_TR / 2; k++) {
+            const u32 e = threadIdx.x + 256 * k, rr = r0 + e / 8, u = (e / 4) & 1, q = e & 3;
+            const u32 i = c * DS4_CHUNK + u * 256 + (g + 8 * q) * 8;
+            wq[k] = make_uint4(0, 0, 0, 0);
+            if (rr < all_rows && i < j.in_dim) {
+                const u16* row = rr < j.rows ? j.w + (u64)rr * j.in_dim : j.w2 + (u64)(rr - j.rows) * j.in_dim;
+                wq[k] = __ldg((const uint4*)(row + i));
+            }
+        }
+#pragma unroll
+        for (u32 k = 0; k < F16T_TT / 2; k++) {
+            const u32 e = threadIdx.x + 256 * k, t = e / 8, u = (e / 4) & 1, q = e & 3;
+            const u32 i = c * DS4_CHUNK + u * 256 + (g + 8 * q) * 8;
+            xa[k] = xb[k] = make_float4(0, 0, 0, 0);
+            if (((active >> t) & 1) && i < j.in_dim) {
+                const float* xr = (const float*)((const u8*)j.x + (u64)(y0 + t) * j.x_stride) + i;
+                xa[k] = *(const float4*)xr;
+                xb[k] = *(const float4*)(xr + 4);
+            }
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (u32 k = 0; k < F16T_TR / 2; k++) {
+            const u32 e = threadIdx.x + 256 * k;
+            float* d = ws + (e / 8) * F16T_PITCH + (e & 7) * 8;
+            const uint4 h = wq[k];
+            *(float4*)d = make_float4(h2f((u16)(h.x & 0xffff)), h2f((u16)(h.x >> 16)), h2f((u16)(h.y & 0xffff)),
+                                      h2f((u16)(h.y >> 16)));
+            *(float4*)(d + 4) = make_float4(h2f((u16)(h.z & 0xffff)), h2f((u16)(h.z >> 16)),
+                                            h2f((u16)(h.w & 0xffff)), h2f((u16)(h.w >> 16)));
+        }
+#pragma unroll
+        for (u32 k = 0; k < F16T_TT / 2; k++) {
+            const u32 e = threadIdx.x + 256 * k;
+            float* d = xs + (e / 8) * F16T_PITCH + (e & 7) * 8;
+            *(float4*)d = xa[k];
+            *(float4*)(d + 4) = xb[k];
+        }
+    };
+
+    float total[F16T_TR][F16T_TT], p2[F16T_TR][F16T_TT], p3[F16T_TR][F16T_TT], p4[F16T_TR][F16T_TT];
+#pragma unroll
+    for (u32 i = 0; i < F16T_TR; i++)
+#pragma unroll
+        for (u32 t = 0; t < F16T_TT; t++) total[i][t] = 0.0f;
+    const u32 stages = (c1 - c0) * 8;
+    if (stages) fetch(0);
+    for (u32 s = 0; s < stages; s++) {
+        __syncthreads();  // every thread is done with the previous eighth
+        store();
+        __syncthreads();
+        if (s + 1 < stages) fetch(s + 1);  // in flight while this eighth is computed
+        // The eighth's 4-leaf subtree: leaf m is lane slot q = bitrev2(m).
+        float pa[F16T_TR][F16T_TT], pb[F16T_TR][F16T_TT], v[F16T_TR][F16T_TT];
+#pragma unroll
+        for (u32 m = 0; m < 4; m++) {
+            const u32 q = ((m & 1) << 1) | (m >> 1);
+#pragma unroll
+            for (u32 h = 0; h < 4; h++) {
+                const u32 off = (h >> 1) * 32 + q * 8 + (h & 1) * 4;
+                float4 wv[F16T_TR], xv[F16T_TT];
+#pragma unroll
+                for (u32 i = 0; i < F16T_TR; i++) wv[i] = *(const float4*)(ws + (ty + 16 * i) * F16T_PITCH + off);
+#pragma unroll
+                for (u32 t = 0; t < F16T_TT; t++) xv[t] = *(const float4*)(xs + (tx + 16 * t) * F16T_PITCH + off);
+#pragma unroll
+                for (u32 i = 0; i < F16T_TR; i++)
+#pragma unroll
+                    for (u32 t = 0; t < F16T_TT; t++) {
+                        float a = h == 0 ? wv[i].x * xv[t].x : v[i][t] + wv[i].x * xv[t].x;
+                        a += wv[i].y * xv[t].y;
+                        a += wv[i].z * xv[t].z;
+                        a += wv[i].w * xv[t].w;
+                        v[i][t] = a;
+                    }
+            }
+#pragma unroll
+            for (u32 i = 0; i < F16T_TR; i++)
+#pragma unroll
+                for (u32 t = 0; t < F16T_TT; t++) {
+                    if (m == 0) pa[i][t] = v[i][t];
+                    else if (m == 1) pa[i][t] = pa[i][t] + v[i][t];
+                    else if (m == 2) pb[i][t] = v[i][t];
+                    else v[i][t] = pa[i][t] + (pb[i][t] + v[i][t]);
+                }
+        }
+        // Merge the subtree into the chunk's: eighths 2k and 2k+1 pair, then pairs of pairs.
+        const u32 e8 = s % 8;
+#pragma unroll
+        for (u32 i = 0; i < F16T_TR; i++)
+#pragma unroll
+            for (u32 t = 0; t < F16T_TT; t++) {
+                if (!(e8 & 1)) {
+                    p2[i][t] = v[i][t];
+                    continue;
+                }
+                float a = p2[i][t] + v[i][t];
+                if (!(e8 & 2)) {
+                    p3[i][t] = a;
+                    continue;
+                }
+                a = p3[i][t] + a;
+                if (!(e8 & 4)) {
+                    p4[i][t] = a;
+                    continue;
+                }
+                v[i][t] = p4[i][t] + a;  // the chunk's sum
+            }
+        if (e8 == 7) {
+            if (ksplit == 1) {
+#pragma unroll
+                for (u32 i = 0; i < F16T_TR; i++)
+#pragma unroll
+                    for (u32 t = 0; t < F16T_TT; t++) total[i][t] += v[i][t];
+            } else {
+                const u32 c = c0 + s / 8;
+#pragma unroll
+                for (u32 t = 0; t < F16T_TT; t++) {
+                    const u32 tok = tx + 16 * t;
+                    if (!((active >> tok) & 1)) continue;
+                    float* part = (float*)((u8*)j.partial + (u64)(y0 + tok) * j.partial_stride);
+#pragma unroll
+                    for (u32 i = 0; i < F16T_TR; i++) {
+                        const u32 rr = r0 + ty + 16 * i;
+                        if (rr < all_rows) part[(u64)rr * n_chunks + c] = v[i][t];
+                    }
+                }
+            }
+        }
+    }
+    if (ksplit > 1) {
+        __threadfence();
+        __syncthreads();
+        u32* ticket = (u32*)((u8*)j.tickets + (u64)(blockIdx.y * row_tiles + rt) * j.tickets_stride) + j.ticket;
+        if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == ksplit - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+#pragma unroll
+        for (u32 t = 0; t < F16T_TT; t++) {
+            const u32 tok = tx + 16 * t;
+            if (!((active >> tok) & 1)) continue;
+            const float* part = (const float*)((const u8*)j.partial + (u64)(y0 + tok) * j.partial_stride);
+#pragma unroll
+            for (u32 i = 0; i < F16T_TR; i++) {
+                const u32 rr = r0 + ty + 16 * i;
+                if (rr >= all_rows) continue;
+                float sum = 0.0f;
+                for (u32 c = 0; c < n_chunks; c++) sum += __ldcg(part + (u64)rr * n_chunks + c);
+                total[i][t] = sum;
+            }
+        }
+        if (threadIdx.x == 0) *ticket = 0;
+    }
+#pragma unroll
+    for (u32 t = 0; t < F16T_TT; t++) {
+        const u32 tok = tx + 16 * t;
+        if (!((active >> tok) & 1)) continue;
+#pragma unroll
+        for (u32 i = 0; i < F16T_TR; i++) {
+            const u32 rr = r0 + ty + 16 * i;
+            if (rr < j.rows) ((float*)((u8*)j.out + (u64)(y0 + tok) * j.out_stride))[rr] = total[i][t];
+            else if (rr < all_rows)
+                ((float*)((u8*)j.out2 + (u64)(y0 + tok) * j.out2_stride))[rr - j.rows] = total[i][t];
+        }
+    }
+}
+
+// mat_vec_f16 (ungrouped) as a tile product: no K split (gridDim.x = matrix-row tiles).
+extern "C" __global__ void __launch_bounds__(256, 2) mat_mul_f16_tile(DS4_ARGS, MatVecF16Args a) {
+    F16Tile j;
+    j.w = a.w, j.w2 = nullptr, j.x = a.x, j.out = a.out, j.out2 = nullptr, j.partial = nullptr, j.tickets = nullptr;
+    j.x_stride = R.s[1], j.out_stride = R.s[2], j.out2_stride = 0, j.partial_stride = 0, j.tickets_stride = 0;
+    j.rows = a.rows, j.rows2 = 0, j.in_dim = a.in_dim, j.ticket = 0;
+    f16_tile(P, cond, j);
+}
+
+// mat_vec_f16_split (ungrouped, with its optional second matrix) as a tile product.
+extern "C" __global__ void __launch_bounds__(256, 2) mat_mul_f16_split_tile(DS4_ARGS, MatVecF16SplitArgs a) {
+    F16Tile j;
+    j.w = a.w, j.w2 = a.w2, j.x = a.x, j.out = a.out, j.out2 = a.out2, j.partial = a.partial, j.tickets = a.tickets;
+    j.x_stride = R.s[1], j.out_stride = R.s[4], j.out2_stride = R.s[6], j.partial_stride = R.s[2];
+    j.tickets_stride = R.s[3], j.rows = a.rows, j.rows2 = a.rows2, j.in_dim = a.in_dim, j.ticket = a.ticket;
+    f16_tile(P, cond, j);
+}
 #endif
 
 // One warp per row of an F32 matrix (4 terms per lane step).

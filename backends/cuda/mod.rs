@@ -238,6 +238,43 @@ mod imp {
     }
     const F16_TOKENS: u32 = 8;
 
+    /// The chunk build's F16 products as register tiles (kernels/matvec.cu: f16_tile, a block of
+    /// 256 threads per `F16T_ROWS` matrix rows x `F16T_TOKENS` token rows, each weight staged
+    /// once for all of them), in place of mat_mul_f16 and mat_mul_f16_split (ungrouped matrices).
+    /// `DS4_CUDA_F16_TILE=old` keeps those, to measure.
+    fn f16_tile_kernel(kernel: &str) -> Option<&'static str> {
+        if std::env::var("DS4_CUDA_F16_TILE").is_ok_and(|v| v == "old") {
+            return None;
+        }
+        match kernel {
+            "mat_mul_f16" => Some("mat_mul_f16_tile"),
+            "mat_mul_f16_split" => Some("mat_mul_f16_split_tile"),
+            _ => None,
+        }
+    }
+    const F16T_ROWS: u32 = 64;
+    const F16T_TOKENS: u32 = 32;
+    const F16T_THREADS: u32 = 256;
+
+    /// K splits of a tile product: the fewest (dividing the chunks) that give at least
+    /// `F16T_MIN_BLOCKS` blocks. Each tile's last block finishes it with a ticket word of token
+    /// row `tile` (a ticket area per chunk row), so splitting needs no more tiles than rows.
+    const F16T_MIN_BLOCKS: u32 = 512;
+    fn f16_tile_splits(all_rows: u32, n_chunks: u32, rows: u32) -> u32 {
+        let tiles = all_rows.div_ceil(F16T_ROWS) * rows.div_ceil(F16T_TOKENS);
+        if tiles > rows {
+            return 1;
+        }
+        (1..=n_chunks).find(|k| n_chunks.is_multiple_of(*k) && tiles * k >= F16T_MIN_BLOCKS).unwrap_or(n_chunks)
+    }
+
+    /// The chunk build's hc_pre as three launches (kernels/fused.cu: hc_pre_flat, hc_pre_mix,
+    /// hc_pre_tail): the control projection of all token rows as one tile product instead of a
+    /// weight read per token row. `DS4_CUDA_HC_PRE_CHUNK=0` keeps the per-row hc_pre, to measure.
+    fn hc_pre_chunk() -> bool {
+        !std::env::var("DS4_CUDA_HC_PRE_CHUNK").is_ok_and(|v| v == "0")
+    }
+
     /// Parameter rows of a chunk of `rows`: a whole number of the token groups of the Q8_0 and F16
     /// kernels.
     fn chunk_param_rows(rows: u32) -> u32 {
@@ -248,7 +285,7 @@ mod imp {
             }
             a / x * b
         };
-        rows.next_multiple_of(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS))
+        rows.next_multiple_of(lcm(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS), F16T_TOKENS))
     }
 
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
@@ -1454,7 +1491,55 @@ mod imp {
                         r.kernel = kernel;
                         r.func = funcs.get(kernel)?;
                         r.rows = rows.div_ceil(F16_TOKENS);
+                        // (all rows, chunks) of an ungrouped matrix (pair), for the tile product.
+                        let shape = if l.kernel == "mat_vec_f16" {
+                            let m =
+                                bytemuck::try_pod_read_unaligned::<args::MatVecF16Args>(bytemuck::cast_slice(&l.args))
+                                    .map_err(|e| err(format!("{}: argument words: {e}", l.kernel)))?;
+                            (m.rows_per_group == m.rows).then_some((m.rows, 1))
+                        } else {
+                            let m = bytemuck::try_pod_read_unaligned::<args::MatVecF16SplitArgs>(bytemuck::cast_slice(
+                                &l.args,
+                            ))
+                            .map_err(|e| err(format!("{}: argument words: {e}", l.kernel)))?;
+                            let splits = f16_tile_splits(m.rows + m.rows2, m.n_chunks, rows);
+                            (m.rows_per_group == m.rows).then_some((m.rows + m.rows2, splits))
+                        };
+                        if let (Some(tile), Some((all_rows, splits))) = (f16_tile_kernel(kernel), shape) {
+                            r.kernel = tile;
+                            r.func = funcs.get(tile)?;
+                            r.block = F16T_THREADS;
+                            r.grid = all_rows.div_ceil(F16T_ROWS) * splits;
+                            r.rows = rows.div_ceil(F16T_TOKENS);
+                        }
                         launches.push(r);
+                        i += 1;
+                        continue;
+                    }
+                    if l.kernel == "hc_pre" && hc_pre_chunk() {
+                        let h = bytemuck::try_pod_read_unaligned::<args::HcPreArgs>(bytemuck::cast_slice(&l.args))
+                            .map_err(|e| err(format!("{}: argument words: {e}", l.kernel)))?;
+                        let warps = plan::HC_PRE_WARPS as u32;
+                        let mut flat = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(rows))?;
+                        flat.kernel = "hc_pre_flat";
+                        flat.func = funcs.get(flat.kernel)?;
+                        flat.grid = h.n_chunks.div_ceil(warps);
+                        flat.block = warps * 32;
+                        flat.join = false;
+                        let mut mix = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
+                        mix.kernel = "hc_pre_mix";
+                        mix.func = funcs.get(mix.kernel)?;
+                        mix.block = F16T_THREADS;
+                        mix.grid = h.mix_rows.div_ceil(F16T_ROWS) * f16_tile_splits(h.mix_rows, h.n_chunks, rows);
+                        mix.rows = rows.div_ceil(F16T_TOKENS);
+                        (mix.fork, mix.join) = (false, false);
+                        let mut tail = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(rows))?;
+                        tail.kernel = "hc_pre_tail";
+                        tail.func = funcs.get(tail.kernel)?;
+                        tail.grid = 2;
+                        tail.block = warps * 32;
+                        tail.fork = false;
+                        launches.extend([flat, mix, tail]);
                         i += 1;
                         continue;
                     }

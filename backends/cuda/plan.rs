@@ -99,7 +99,7 @@ const Q8K_BLOCK_BYTES: usize = 304;
 /// bookkeeping; `scripts/gpu-check` checks the bits.
 const FUSE_NORM_Q8: bool = true;
 /// Warps per block of hc_pre (kernels/fused.cu HC_PRE_WARPS).
-const HC_PRE_WARPS: usize = 16;
+pub(crate) const HC_PRE_WARPS: usize = 16;
 
 /// The (row, slot) pairs of a chunk that the grouped routed experts take (kernels/moe.cu
 /// MOE_ROUTE_MAX_PAIRS: the routing block holds them in shared memory), and the experts.

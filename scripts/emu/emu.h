@@ -41,6 +41,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4{a,
 inline int4 make_int4(int a, int b, int c, int d) { return int4{a, b, c, d}; }
 inline int2 make_int2(int a, int b) { return int2{a, b}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 
 enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
 struct EmuFiber {
