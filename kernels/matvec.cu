@@ -295,12 +295,13 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
 // Dynamic shared memory (backends/cuda/mod.rs: q8_tile_smem computes the same size): quants
 // [2][BM + BN][ROW]; weight scales [2][32][BM] floats, rows 16 w + g and 16 w + g + 8 side by side;
 // token scales [2][32][BN] floats, a lane's 2 Q8T_NT tokens side by side; each thread's 4 Q8T_NT
-// chunk totals [4 Q8T_NT][THREADS] (kept here, not in registers, which the tree's pending sums
-// fill); the active token bits.
+// chunk totals [4 Q8T_NT][THREADS], then as many first-half sums of the chunk's tree (kept here,
+// not in registers, which the tree's other pending sums fill); the active token bits.
 #define Q8T_WS_OFF (2 * Q8T_QBUF)
 #define Q8T_DX_OFF (Q8T_WS_OFF + 2 * 32 * Q8T_BM * 4)
 #define Q8T_TOT_OFF (Q8T_DX_OFF + 2 * 32 * Q8T_BN * 4)
-#define Q8T_ACT_OFF (Q8T_TOT_OFF + 4 * Q8T_NT * Q8T_THREADS * 4)
+#define Q8T_HALF_OFF (Q8T_TOT_OFF + 4 * Q8T_NT * Q8T_THREADS * 4)
+#define Q8T_ACT_OFF (Q8T_HALF_OFF + 4 * Q8T_NT * Q8T_THREADS * 4)
 #define Q8T_SMEM (Q8T_ACT_OFF + Q8T_BN / 8)
 // Threads per staged weight row and per staged token row (each copies BPW or BPX = 8 / that of
 // the step's 8 blocks, and 32 / that of the chunk's 32 scales).
@@ -360,7 +361,7 @@ __device__ __forceinline__ u32 q8t_row_slot(u32 r) { return (r / 16) * 16 + 2 * 
 // token quants and +0 scales, so its term is (+0 * +0) * +0 = +0, the leaf mat_mul_q8_0 feeds.
 template <u32 S>
 __device__ __forceinline__ void q8t_step(const u8* qa, const u8* qb, const float* wsp, const float* dxp,
-                                         float (&pend)[5][Q8T_NT][4], float* total) {
+                                         float (&pend)[4][Q8T_NT][4], float* half, float* total) {
 #pragma unroll
     for (u32 u = 0; u < 8; u++) {
         const u32 i = 8 * S + u, m = bit_reverse3(u), kb = 4 * m + bit_reverse2(S);
@@ -392,20 +393,24 @@ __device__ __forceinline__ void q8t_step(const u8* qa, const u8* qb, const float
                 v[j][3] = sw.y * dd[2 * j + 1] * (__int_as_float(d[3]) - Q8_MMA_BIAS_F);
             }
         }
-        // Leaf i of the bit-reversed order closes level l when bit l of i is set.
+        // Leaf i of the bit-reversed order closes level l when bit l of i is set. Level 4 (the
+        // first half's sum, held from leaf 15 to leaf 31) waits in shared memory.
 #pragma unroll
         for (u32 l = 0; l < 5; l++) {
             if (!((i >> l) & 1)) {
 #pragma unroll
                 for (u32 j = 0; j < Q8T_NT; j++)
 #pragma unroll
-                    for (u32 k = 0; k < 4; k++) pend[l][j][k] = v[j][k];
+                    for (u32 k = 0; k < 4; k++) {
+                        if (l < 4) pend[l][j][k] = v[j][k];
+                        else half[(4 * j + k) * Q8T_THREADS] = v[j][k];
+                    }
                 break;
             }
 #pragma unroll
             for (u32 j = 0; j < Q8T_NT; j++)
 #pragma unroll
-                for (u32 k = 0; k < 4; k++) v[j][k] = pend[l][j][k] + v[j][k];
+                for (u32 k = 0; k < 4; k++) v[j][k] = (l < 4 ? pend[l][j][k] : half[(4 * j + k) * Q8T_THREADS]) + v[j][k];
         }
         if (i == 31) {
 #pragma unroll
@@ -421,6 +426,12 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, 1) mat_mul_q8_0_tile(D
     float* const wss = (float*)(q8t_smem + Q8T_WS_OFF);
     float* const dxs = (float*)(q8t_smem + Q8T_DX_OFF);
     u32* const act = (u32*)(q8t_smem + Q8T_ACT_OFF);
+#if __CUDA_ARCH__
+    // The host sizes the dynamic shared memory (mod.rs: q8_tile_smem); a smaller one is a bug.
+    u32 smem_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    if (smem_bytes < Q8T_SMEM) __trap();
+#endif
     const u32 tid = threadIdx.x, lane = tid & 31, gq = lane >> 2, tq = lane & 3, warp = tid >> 5;
     const u32 wm = warp % Q8T_WM, wn = warp / Q8T_WM;
     const u32 y0 = blockIdx.x * Q8T_BN;
@@ -533,7 +544,8 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, 1) mat_mul_q8_0_tile(D
     // total[(4 j + k) THREADS]: k = 0, 1: row r0 + gq, tokens 8 j + 2 tq (+1) of the warp's;
     // k = 2, 3: row r0 + gq + 8.
     float* const total = (float*)(q8t_smem + Q8T_TOT_OFF) + tid;
-    float pend[5][Q8T_NT][4];
+    float* const half = (float*)(q8t_smem + Q8T_HALF_OFF) + tid;
+    float pend[4][Q8T_NT][4];
 #pragma unroll
     for (u32 k = 0; k < 4 * Q8T_NT; k++) total[k * Q8T_THREADS] = 0.0f;
 
@@ -558,7 +570,7 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, 1) mat_mul_q8_0_tile(D
             load_weight_scales(c + DS4_BLOCK_CHUNK);                                         \
         }                                                                                    \
         if (S == 2 && more) store_weight_scales(cbuf ^ 1);                                   \
-        if (live) q8t_step<S>(qa0 + (S & 1) * Q8T_QBUF, qb0 + (S & 1) * Q8T_QBUF, wsp, dxp, pend, total); \
+        if (live) q8t_step<S>(qa0 + (S & 1) * Q8T_QBUF, qb0 + (S & 1) * Q8T_QBUF, wsp, dxp, pend, half, total); \
     }
         Q8T_STEP(0)
         Q8T_STEP(1)
