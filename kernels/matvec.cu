@@ -260,6 +260,336 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
                 ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r0 + gq + (k >> 1) * 8] = total[j][k];
         }
 }
+
+// The chunk's Q8_0 product in big tiles (split block layout only; DS4_CUDA_Q8_TILE=0 keeps
+// mat_mul_q8_0 above): a block of Q8T_WM x Q8T_WN warps covers Q8T_BM = 64 matrix rows and
+// Q8T_BN token rows, a warp 16 matrix rows x Q8T_NT tiles of 8 token rows, so each A fragment
+// (the weights) feeds Q8T_NT MMAs and each weight load from L2 serves Q8T_BN token rows. The
+// terms and the float order are mat_mul_q8_0's (the decode kernel's): per (row, token, block)
+// (f16(d_w) * d_x) * isum, per 32-block chunk the butterfly's tree fed leaf by leaf in
+// bit-reversed block order, chunk sums added in order from +0. The leaf's "0.0f +" is left out:
+// a tree's sum feeds only `total`, which starts from +0, so only a zero's sign could differ and
+// that add absorbs it (kernels/README.md, the proven freedom).
+//
+// A chunk of 32 blocks runs as 4 steps of 8; leaf i = 8 s + u of the tree (block bit_reverse5(i))
+// is block 4 bit_reverse3(u) + bit_reverse2(s), so step s stages the chunk's blocks = s' (mod 4),
+// s' = bit_reverse2(s), 8 per row, and its leaves come in slot order bit_reverse3(u). The steps'
+// quants are copied by cp.async into two buffers (the copies of step k + 1 run during the math of
+// step k); a chunk's scales are read into registers during step 1 of the chunk before and stored
+// converted and reordered during step 2 (two buffers by chunk parity), so each lane reads its
+// scale pairs with one 8- or 16-byte load.
+#ifndef Q8T_NT
+#define Q8T_NT 4
+#endif
+#ifndef Q8T_WN
+#define Q8T_WN 4
+#endif
+#define Q8T_WM 4
+#define Q8T_BM (16 * Q8T_WM)
+#define Q8T_BN (8 * Q8T_NT * Q8T_WN)
+#define Q8T_THREADS (32 * Q8T_WM * Q8T_WN)
+// A staged row (a weight row or a token row): 8 blocks of 32 bytes, then 16 bytes of padding so
+// that the 8 rows of one ldmatrix matrix (16 bytes each) fall in different banks.
+#define Q8T_ROW 272
+#define Q8T_QBUF ((Q8T_BM + Q8T_BN) * Q8T_ROW)
+// Dynamic shared memory (backends/cuda/mod.rs: q8_tile_smem computes the same size): quants
+// [2][BM + BN][ROW]; weight scales [2][32][BM] floats, rows 16 w + g and 16 w + g + 8 side by side;
+// token scales [2][32][BN] floats, a lane's 2 Q8T_NT tokens side by side; each thread's 4 Q8T_NT
+// chunk totals [4 Q8T_NT][THREADS], then as many first-half sums of the chunk's tree (kept here,
+// not in registers, which the tree's other pending sums fill); the active token bits.
+#define Q8T_WS_OFF (2 * Q8T_QBUF)
+#define Q8T_DX_OFF (Q8T_WS_OFF + 2 * 32 * Q8T_BM * 4)
+#define Q8T_TOT_OFF (Q8T_DX_OFF + 2 * 32 * Q8T_BN * 4)
+#define Q8T_HALF_OFF (Q8T_TOT_OFF + 4 * Q8T_NT * Q8T_THREADS * 4)
+#define Q8T_ACT_OFF (Q8T_HALF_OFF + 4 * Q8T_NT * Q8T_THREADS * 4)
+#define Q8T_SMEM (Q8T_ACT_OFF + Q8T_BN / 8)
+// Threads per staged weight row and per staged token row (each copies BPW or BPX = 8 / that of
+// the step's 8 blocks, and 32 / that of the chunk's 32 scales).
+#define Q8T_TPW (Q8T_THREADS / Q8T_BM)
+#define Q8T_TPX (Q8T_THREADS / Q8T_BN)
+#define Q8T_BPW (8 / Q8T_TPW)
+#define Q8T_BPX (8 / Q8T_TPX)
+static_assert(Q8T_THREADS % Q8T_BM == 0 && 8 % Q8T_TPW == 0, "whole blocks of a weight row per thread");
+static_assert(Q8T_THREADS % Q8T_BN == 0 && 8 % Q8T_TPX == 0, "whole blocks of a token row per thread");
+static_assert(Q8T_BN % 32 == 0 && Q8T_BN <= Q8T_THREADS, "a warp's ballot per 32 token rows");
+static_assert(Q8T_NT % 2 == 0, "B fragments by pairs of token tiles");
+
+__device__ __forceinline__ constexpr u32 bit_reverse3(u32 u) { return ((u & 1) << 2) | (u & 2) | ((u & 4) >> 2); }
+__device__ __forceinline__ constexpr u32 bit_reverse2(u32 s) { return ((s & 1) << 1) | ((s & 2) >> 1); }
+
+// 16 bytes from global to shared memory without passing through registers; cp_async_wait waits
+// for all of this thread's copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Four 8 x 8 matrices of b16 from shared memory (lanes 8 q .. 8 q + 7 give matrix q's row
+// addresses); register q of lane l holds 4 bytes (l % 4) of row l / 4 of matrix q. Volatile so
+// that it stays between the barriers around it.
+__device__ __forceinline__ void ldmatrix_x4(u32* d, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"((u32)__cvta_generic_to_shared(p)));
+}
+// D = D + A * B for int8 m16n8k32 fragments (A: 4 registers, B: 2), D started at the bias.
+__device__ __forceinline__ void mma_s8_k32_acc(int* d, const u32* a, const u32* b) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Where a token (0..BN) of the tile keeps its scales: the lane that holds it (t) next to the
+// lane's other tokens, 2 per tile j.
+__device__ __forceinline__ u32 q8t_token_slot(u32 tok) {
+    const u32 wn = tok / (8 * Q8T_NT), rem = tok % (8 * Q8T_NT);
+    const u32 j = rem / 8, t = (rem % 8) / 2, k = rem % 2;
+    return wn * 8 * Q8T_NT + t * 2 * Q8T_NT + 2 * j + k;
+}
+// Where a weight row (0..BM) of the tile keeps its scales: rows g and g + 8 of a warp's 16 together.
+__device__ __forceinline__ u32 q8t_row_slot(u32 r) { return (r / 16) * 16 + 2 * (r % 8) + (r % 16) / 8; }
+
+// One step (8 blocks) of a warp's 16 x 8 Q8T_NT tile: the MMAs, the terms, the tree's leaves
+// 8 s .. 8 s + 7. The fragments come by ldmatrix, in the natural k order of a block (A: rows g,
+// g + 8, bytes 4 t.. and 16 + 4 t..; B: token g, the same bytes), so each A fragment lands in
+// the MMA's four registers as loaded. `qa`: this lane's ldmatrix row address for A (row
+// l % 8 + 8 ((l / 8) & 1), byte 16 (l / 16)); `qb`: for B, a pair of token tiles (token row
+// l % 8 of tile l / 16, byte 16 ((l / 8) & 1)). A block past the row's end was staged as zero
+// token quants and +0 scales, so its term is (+0 * +0) * +0 = +0, the leaf mat_mul_q8_0 feeds.
+template <u32 S>
+__device__ __forceinline__ void q8t_step(const u8* qa, const u8* qb, const float* wsp, const float* dxp,
+                                         float (&pend)[4][Q8T_NT][4], float* half, float* total) {
+#pragma unroll
+    for (u32 u = 0; u < 8; u++) {
+        const u32 i = 8 * S + u, m = bit_reverse3(u), kb = 4 * m + bit_reverse2(S);
+        float v[Q8T_NT][4];
+        u32 fa[4];
+        ldmatrix_x4(fa, qa + m * 32);
+        const float2 sw = *(const float2*)(wsp + kb * Q8T_BM);
+        float dd[2 * Q8T_NT];
+#pragma unroll
+        for (u32 h = 0; h < Q8T_NT / 2; h++) {
+            const float4 q = *(const float4*)(dxp + kb * Q8T_BN + 4 * h);
+            dd[4 * h] = q.x;
+            dd[4 * h + 1] = q.y;
+            dd[4 * h + 2] = q.z;
+            dd[4 * h + 3] = q.w;
+        }
+#pragma unroll
+        for (u32 h = 0; h < Q8T_NT / 2; h++) {
+            u32 fb[4];
+            ldmatrix_x4(fb, qb + 16 * h * Q8T_ROW + m * 32);
+#pragma unroll
+            for (u32 jj = 0; jj < 2; jj++) {
+                const u32 j = 2 * h + jj;
+                int d[4] = {Q8_MMA_BIAS, Q8_MMA_BIAS, Q8_MMA_BIAS, Q8_MMA_BIAS};
+                mma_s8_k32_acc(d, fa, fb + 2 * jj);
+                v[j][0] = sw.x * dd[2 * j] * (__int_as_float(d[0]) - Q8_MMA_BIAS_F);
+                v[j][1] = sw.x * dd[2 * j + 1] * (__int_as_float(d[1]) - Q8_MMA_BIAS_F);
+                v[j][2] = sw.y * dd[2 * j] * (__int_as_float(d[2]) - Q8_MMA_BIAS_F);
+                v[j][3] = sw.y * dd[2 * j + 1] * (__int_as_float(d[3]) - Q8_MMA_BIAS_F);
+            }
+        }
+        // Leaf i of the bit-reversed order closes level l when bit l of i is set. Level 4 (the
+        // first half's sum, held from leaf 15 to leaf 31) waits in shared memory.
+#pragma unroll
+        for (u32 l = 0; l < 5; l++) {
+            if (!((i >> l) & 1)) {
+#pragma unroll
+                for (u32 j = 0; j < Q8T_NT; j++)
+#pragma unroll
+                    for (u32 k = 0; k < 4; k++) {
+                        if (l < 4) pend[l][j][k] = v[j][k];
+                        else half[(4 * j + k) * Q8T_THREADS] = v[j][k];
+                    }
+                break;
+            }
+#pragma unroll
+            for (u32 j = 0; j < Q8T_NT; j++)
+#pragma unroll
+                for (u32 k = 0; k < 4; k++) v[j][k] = (l < 4 ? pend[l][j][k] : half[(4 * j + k) * Q8T_THREADS]) + v[j][k];
+        }
+        if (i == 31) {
+#pragma unroll
+            for (u32 j = 0; j < Q8T_NT; j++)
+#pragma unroll
+                for (u32 k = 0; k < 4; k++) total[(4 * j + k) * Q8T_THREADS] += v[j][k];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(Q8T_THREADS, 1) mat_mul_q8_0_tile(DS4_ARGS, MatVecQ80Args a) {
+    extern __shared__ __align__(16) u8 q8t_smem[];
+    float* const wss = (float*)(q8t_smem + Q8T_WS_OFF);
+    float* const dxs = (float*)(q8t_smem + Q8T_DX_OFF);
+    u32* const act = (u32*)(q8t_smem + Q8T_ACT_OFF);
+#if __CUDA_ARCH__
+    // The host sizes the dynamic shared memory (mod.rs: q8_tile_smem); a smaller one is a bug.
+    u32 smem_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    if (smem_bytes < Q8T_SMEM) __trap();
+#endif
+    const u32 tid = threadIdx.x, lane = tid & 31, gq = lane >> 2, tq = lane & 3, warp = tid >> 5;
+    const u32 wm = warp % Q8T_WM, wn = warp / Q8T_WM;
+    const u32 y0 = blockIdx.x * Q8T_BN;
+    // The tile's token rows that run (count 0 past the chunk's tokens, or a false predicate).
+    if (tid < Q8T_BN) {
+        const u32 bits = __ballot_sync(0xffffffffu, ds4_cond(P + y0 + tid, cond));
+        if (lane == 0) act[warp] = bits;
+    }
+    __syncthreads();
+    u32 first = Q8T_BN;
+#pragma unroll
+    for (u32 w = Q8T_BN / 32; w-- > 0;)
+        if (act[w]) first = 32 * w + __ffs(act[w]) - 1;
+    if (first == Q8T_BN) {
+        ds4_wait_predecessor();
+        return;
+    }
+    const u32 nb = a.in_dim / 32;
+    const u32 row0 = blockIdx.y * Q8T_BM;
+    // The host gives a grouped matrix groups of a multiple of 64 rows (and no second matrix), so
+    // one group's input serves the whole block.
+    const u32 grp = row0 < a.rows ? row0 / a.rows_per_group : 0;
+
+    // This thread's staged weight row (its quants and scales) and token row.
+    const u32 wrow = tid / Q8T_TPW, wpart = tid % Q8T_TPW;
+    const u32 wrr = row0 + wrow;
+    const bool wsecond = wrr >= a.rows;
+    const u32 wr = wsecond ? wrr - a.rows : wrr, wrows = wsecond ? a.rows2 : a.rows;
+    const bool wlive = wr < wrows;
+    const u8* const wmat = wsecond ? a.w2 : a.w;
+    const u8* const wq_row = wmat + (u64)wr * nb * 32;
+    const u16* const ws_row = (const u16*)(wmat + (u64)wrows * nb * 32) + (u64)wr * nb;
+    const u32 xtok = tid / Q8T_TPX, xpart = tid % Q8T_TPX;
+    const u32 xt = ((act[xtok / 32] >> (xtok % 32)) & 1) ? xtok : first;
+    const u64 xy = y0 + xt;
+    const i8* const xq_row = a.xq + xy * R.s[1] + (u64)grp * a.in_dim;
+    const float* const xd_row = (const float*)((const u8*)a.xd + xy * R.s[2]) + (u64)grp * nb;
+
+    // Step s of the chunk at block c into buffer `buf`: this thread's slots wm0 .. wm0 + BPW of
+    // its weight row and xm0 .. xm0 + BPX of its token row, both 16-byte halves of each (slot m
+    // holds block c + 4 m + s'; blocks past the row's end are not read: zero token quants).
+    const u32 wm0 = Q8T_BPW * wpart, xm0 = Q8T_BPX * xpart;
+    const u8* const wsrc = wq_row + 128 * wm0;
+    const i8* const xsrc = xq_row + 128 * xm0;
+    u8* const wdst = q8t_smem + wrow * Q8T_ROW + 32 * wm0;
+    u8* const xdst = q8t_smem + (Q8T_BM + xtok) * Q8T_ROW + 32 * xm0;
+    auto stage_weights = [&](u32 c, u32 s, u32 buf) {
+        const u32 bq = c + bit_reverse2(s);
+#pragma unroll
+        for (u32 k = 0; k < Q8T_BPW; k++)
+#pragma unroll
+            for (u32 h = 0; h < 2; h++)
+                if (wlive && bq + 4 * (wm0 + k) < nb)
+                    cp_async16(wdst + buf * Q8T_QBUF + 32 * k + 16 * h, wsrc + (u64)bq * 32 + 128 * k + 16 * h);
+    };
+    auto stage_tokens = [&](u32 c, u32 s, u32 buf) {
+        const u32 bq = c + bit_reverse2(s);
+#pragma unroll
+        for (u32 k = 0; k < Q8T_BPX; k++)
+#pragma unroll
+            for (u32 h = 0; h < 2; h++) {
+                u8* dst = xdst + buf * Q8T_QBUF + 32 * k + 16 * h;
+                if (bq + 4 * (xm0 + k) < nb) cp_async16(dst, xsrc + (u64)bq * 32 + 128 * k + 16 * h);
+                else *(uint4*)dst = make_uint4(0, 0, 0, 0);
+            }
+    };
+    // A chunk's scales: this thread's 32 / TPX token scales go by 4-byte copies straight to
+    // their slots in the chunk's buffer; its 32 / TPW weight scales are read into registers,
+    // then stored there as floats (missing blocks are not read: +0 in their place).
+    auto stage_token_scales = [&](u32 c, u32 cbuf) {
+#pragma unroll
+        for (u32 k = 0; k < 32 / Q8T_TPX; k++) {
+            const u32 kb = xpart * (32 / Q8T_TPX) + k;
+            float* dst = dxs + (cbuf * 32 + kb) * Q8T_BN + q8t_token_slot(xtok);
+            if (c + kb < nb) cp_async4(dst, xd_row + c + kb);
+            else *dst = 0.0f;
+        }
+    };
+    u16 wsr[32 / Q8T_TPW];
+    auto load_weight_scales = [&](u32 c) {
+#pragma unroll
+        for (u32 k = 0; k < 32 / Q8T_TPW; k++) {
+            const u32 b = c + wpart * (32 / Q8T_TPW) + k;
+            wsr[k] = wlive && b < nb ? __ldg(ws_row + b) : (u16)0;
+        }
+    };
+    auto store_weight_scales = [&](u32 cbuf) {
+#pragma unroll
+        for (u32 k = 0; k < 32 / Q8T_TPW; k++)
+            wss[(cbuf * 32 + wpart * (32 / Q8T_TPW) + k) * Q8T_BM + q8t_row_slot(wrow)] = h2f(wsr[k]);
+    };
+
+    // Weights never change during a token: their first step is copied before waiting.
+    stage_weights(0, 0, 0);
+    ds4_wait_predecessor();
+    stage_tokens(0, 0, 0);
+    stage_token_scales(0, 0);
+    load_weight_scales(0);
+    store_weight_scales(0);
+
+    // This warp's 16 matrix rows (all in one matrix: the host gives both multiples of 16).
+    const u32 rr = row0 + 16 * wm;
+    const bool second = rr >= a.rows;
+    const u32 r0 = second ? rr - a.rows : rr;
+    const bool live = r0 < (second ? a.rows2 : a.rows);
+    const u8* const qa0 = q8t_smem + (16 * wm + lane % 8 + 8 * ((lane / 8) & 1)) * Q8T_ROW + 16 * (lane / 16);
+    const u8* const qb0 = q8t_smem + (Q8T_BM + 8 * Q8T_NT * wn + 8 * (lane / 16) + lane % 8) * Q8T_ROW + 16 * ((lane / 8) & 1);
+    const float* const ws0 = wss + 16 * wm + 2 * gq;
+    const float* const dx0 = dxs + 8 * Q8T_NT * wn + 2 * Q8T_NT * tq;
+    // total[(4 j + k) THREADS]: k = 0, 1: row r0 + gq, tokens 8 j + 2 tq (+1) of the warp's;
+    // k = 2, 3: row r0 + gq + 8.
+    float* const total = (float*)(q8t_smem + Q8T_TOT_OFF) + tid;
+    float* const half = (float*)(q8t_smem + Q8T_HALF_OFF) + tid;
+    float pend[4][Q8T_NT][4];
+#pragma unroll
+    for (u32 k = 0; k < 4 * Q8T_NT; k++) total[k * Q8T_THREADS] = 0.0f;
+
+    for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
+        const u32 cbuf = (c / DS4_BLOCK_CHUNK) & 1;
+        const bool more = c + DS4_BLOCK_CHUNK < nb;
+        const float* const wsp = ws0 + cbuf * 32 * Q8T_BM;
+        const float* const dxp = dx0 + cbuf * 32 * Q8T_BN;
+#define Q8T_STEP(S)                                                                          \
+    {                                                                                        \
+        cp_async_wait();                                                                     \
+        __syncthreads();                                                                     \
+        if (S < 3) {                                                                         \
+            stage_weights(c, (S + 1) & 3, (S + 1) & 1);                                      \
+            stage_tokens(c, (S + 1) & 3, (S + 1) & 1);                                       \
+        } else if (more) {                                                                   \
+            stage_weights(c + DS4_BLOCK_CHUNK, 0, 0);                                        \
+            stage_tokens(c + DS4_BLOCK_CHUNK, 0, 0);                                         \
+        }                                                                                    \
+        if (S == 1 && more) {                                                                \
+            stage_token_scales(c + DS4_BLOCK_CHUNK, cbuf ^ 1);                               \
+            load_weight_scales(c + DS4_BLOCK_CHUNK);                                         \
+        }                                                                                    \
+        if (S == 2 && more) store_weight_scales(cbuf ^ 1);                                   \
+        if (live) q8t_step<S>(qa0 + (S & 1) * Q8T_QBUF, qb0 + (S & 1) * Q8T_QBUF, wsp, dxp, pend, half, total); \
+    }
+        Q8T_STEP(0)
+        Q8T_STEP(1)
+        Q8T_STEP(2)
+        Q8T_STEP(3)
+#undef Q8T_STEP
+    }
+    if (!live) return;
+    float* out = second ? a.out2 : a.out;
+    const u32 out_stride = second ? R.s[5] : R.s[3];
+#pragma unroll
+    for (u32 j = 0; j < Q8T_NT; j++)
+#pragma unroll
+        for (u32 k = 0; k < 4; k++) {
+            const u32 t = 8 * Q8T_NT * wn + 8 * j + 2 * tq + (k & 1);
+            if ((act[t / 32] >> (t % 32)) & 1)
+                ((float*)((u8*)out + (u64)(y0 + t) * out_stride))[r0 + gq + (k >> 1) * 8] = total[(4 * j + k) * Q8T_THREADS];
+        }
+}
 #endif
 #else
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {

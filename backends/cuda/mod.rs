@@ -161,6 +161,30 @@ mod imp {
     const Q8_MMA_KERNEL: &str = "mat_mul_q8_0";
     const Q8_MMA_ROWS_PER_BLOCK: u32 = 64;
 
+    /// The chunk build's Q8_0 product in big tiles (kernels/matvec.cu, split layout only): 4 x
+    /// `wn` warps per block, 64 matrix rows x 32 `wn` token rows, stages in dynamic shared memory.
+    /// It replaces [`Q8_MMA_KERNEL`] unless `DS4_CUDA_Q8_TILE=0`; `DS4_CUDA_Q8_TILE_WN` (4 or 2:
+    /// 128 or 64 token rows per block) picks the shape, to measure.
+    const Q8_TILE_KERNEL: &str = "mat_mul_q8_0_tile";
+    fn q8_tile_wn() -> Option<u32> {
+        if std::env::var("DS4_CUDA_Q8_TILE").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let n = std::env::var("DS4_CUDA_Q8_TILE_WN").ok().and_then(|v| v.parse::<u32>().ok());
+        Some(n.filter(|n| matches!(n, 2 | 4)).unwrap_or(4))
+    }
+    /// Token rows per block of [`Q8_TILE_KERNEL`] (8 per tile, 4 tiles per warp, `wn` warps).
+    fn q8_tile_tokens(wn: u32) -> u32 {
+        32 * wn
+    }
+    /// Its dynamic shared memory, as kernels/matvec.cu lays it out (Q8T_SMEM): two steps' staged
+    /// rows of 272 bytes (64 weight rows and the token rows), two chunks' weight and token scales
+    /// (floats), each thread's 16 totals and 16 half-chunk sums, the active token bits.
+    fn q8_tile_smem(wn: u32) -> u32 {
+        let (bm, bn, threads) = (Q8_MMA_ROWS_PER_BLOCK, q8_tile_tokens(wn), 128 * wn);
+        2 * (bm + bn) * 272 + 2 * 32 * bm * 4 + 2 * 32 * bn * 4 + 2 * 16 * threads * 4 + bn / 8
+    }
+
     /// Token rows per block of [`Q8_MMA_KERNEL`]: 8, 16 or 32 (`DS4_CUDA_MMA_TOKENS`, to measure).
     /// 16 measured best on the H200 (flash-4l chunk of 64: 3.09 ms against 3.83 for 32).
     fn q8_mma_tokens() -> u32 {
@@ -285,7 +309,8 @@ mod imp {
             }
             a / x * b
         };
-        rows.next_multiple_of(lcm(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS), F16T_TOKENS))
+        let tile = q8_tile_wn().map_or(1, q8_tile_tokens);
+        rows.next_multiple_of(lcm(lcm(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS), F16T_TOKENS), tile))
     }
 
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
@@ -310,10 +335,11 @@ mod imp {
             KernelRows::Chunk => {
                 let (mt, mc) = indexer_chunk_tile().unwrap_or((2, 4));
                 format!(
-                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define ATTN_CHUNK_THREADS {}\n\
+                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define Q8T_WN {}\n#define ATTN_CHUNK_THREADS {}\n\
                      #define IDX_MT {mt}\n#define IDX_MC {mc}\n",
                     q8_token_rows(),
                     q8_mma_tokens(),
+                    q8_tile_wn().unwrap_or(4),
                     attn_chunk_threads().unwrap_or(256)
                 )
             }
@@ -454,7 +480,7 @@ mod imp {
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-        launch_with(stream, func, 0, (grid, 1), 256, 0, &[0; args::ROW_STRIDES], &words, false)
+        launch_with(stream, func, 0, (grid, 1), 256, 0, &[0; args::ROW_STRIDES], &words, 0, false)
             .map_err(drv(&format!("cannot generate '{}'", t.name)))?;
         Ok(d)
     }
@@ -562,7 +588,8 @@ mod imp {
 
     /// Launches `func(P, cond, R, args)`: `args` is the kernel's argument struct as words, `rows`
     /// the chunk rows it covers (`blockIdx.y`; 1 for a decode launch) and `strides` each pointer's
-    /// byte stride from one row to the next ([`args::RowStrides`]). With `pdl`
+    /// byte stride from one row to the next ([`args::RowStrides`]), `smem` its dynamic shared
+    /// memory per block. With `pdl`
     /// the launch may begin while the previous kernel on the stream finishes (programmatic
     /// dependent launch, sm_90 on): every kernel waits for its predecessor (`griddepcontrol.wait`
     /// in DS4_GUARD, kernels/common.cuh) before it touches memory, so only the launch overlaps.
@@ -576,6 +603,7 @@ mod imp {
         cond: u64,
         strides: &args::RowStrides,
         args: &[u64],
+        smem: u32,
         pdl: bool,
     ) -> Result<(), result::DriverError> {
         use cudarc::driver::sys;
@@ -601,7 +629,7 @@ mod imp {
                     func.cu_function(),
                     (grid, rows, 1),
                     (block, 1, 1),
-                    0,
+                    smem,
                     stream.cu_stream(),
                     &mut ptrs,
                 )
@@ -619,7 +647,7 @@ mod imp {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: smem,
             hStream: stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
@@ -694,6 +722,8 @@ mod imp {
         /// Each pointer's byte stride from one row to the next (all 0 for a decode launch and for
         /// a row loop's, whose pointers are already at their row).
         strides: args::RowStrides,
+        /// Dynamic shared memory per block, in bytes (0 but for [`Q8_TILE_KERNEL`]).
+        smem: u32,
     }
 
     impl Resolved {
@@ -709,6 +739,7 @@ mod imp {
                 self.cond,
                 &self.strides,
                 &self.args,
+                self.smem,
                 pdl,
             )
         }
@@ -830,6 +861,7 @@ mod imp {
             rows,
             row,
             strides,
+            smem: 0,
         })
     }
 
@@ -1340,7 +1372,7 @@ mod imp {
             block: u32,
             args: &[u64],
         ) -> Result<(), result::DriverError> {
-            launch_with(&self.stream, func, 0, (grid, 1), block, 0, &[0; args::ROW_STRIDES], args, self.pdl)
+            launch_with(&self.stream, func, 0, (grid, 1), block, 0, &[0; args::ROW_STRIDES], args, 0, self.pdl)
         }
 
         fn capture(&self) -> Result<CudaGraph, result::DriverError> {
@@ -1473,10 +1505,25 @@ mod imp {
                             && (!grouped || (m.rows_per_group.is_multiple_of(Q8_MMA_ROWS_PER_BLOCK) && m.rows2 == 0));
                         if fits {
                             let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
-                            r.kernel = Q8_MMA_KERNEL;
-                            r.func = funcs.get(Q8_MMA_KERNEL)?;
-                            r.block = 32 * Q8_MMA_ROWS_PER_BLOCK / 16;
-                            r.grid = rows.div_ceil(q8_mma_tokens());
+                            if let Some(wn) = q8_tile_wn() {
+                                r.kernel = Q8_TILE_KERNEL;
+                                r.func = funcs.get(Q8_TILE_KERNEL)?;
+                                r.block = 128 * wn;
+                                r.grid = rows.div_ceil(q8_tile_tokens(wn));
+                                r.smem = q8_tile_smem(wn);
+                                // Over 48 KiB of dynamic shared memory needs the kernel's opt-in.
+                                r.func
+                                    .set_attribute(
+                                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        r.smem as i32,
+                                    )
+                                    .map_err(drv(&format!("{Q8_TILE_KERNEL}: {} bytes of shared memory", r.smem)))?;
+                            } else {
+                                r.kernel = Q8_MMA_KERNEL;
+                                r.func = funcs.get(Q8_MMA_KERNEL)?;
+                                r.block = 32 * Q8_MMA_ROWS_PER_BLOCK / 16;
+                                r.grid = rows.div_ceil(q8_mma_tokens());
+                            }
                             r.rows = (m.rows + m.rows2).div_ceil(Q8_MMA_ROWS_PER_BLOCK);
                             if r.rows > 65535 {
                                 return Err(err(format!("{}: {} blocks do not fit gridDim.y", r.kernel, r.rows)));

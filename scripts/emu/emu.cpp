@@ -4,6 +4,10 @@ EmuBlock* emu_blk;
 
 static void emu_entry() {
     emu_blk->body();
+    if (!emu_cur->async.empty()) {
+        fprintf(stderr, "emu: thread %u ended with cp.async copies it never waited for\n", emu_cur->tid.x);
+        abort();
+    }
     emu_cur->state = EMU_DONE;
     swapcontext(&emu_cur->ctx, &emu_blk->sched);
 }

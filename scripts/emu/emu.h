@@ -31,6 +31,9 @@ struct uint4 {
 struct float4 {
     float x, y, z, w;
 };
+struct float2 {
+    float x, y;
+};
 struct int2 {
     int x, y;
 };
@@ -44,11 +47,19 @@ inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 
 enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
+// A cp.async copy not yet done: it lands when its thread waits (emu_cp_async_wait), so a read
+// before the wait sees the old bytes.
+struct EmuCopy {
+    void* dst;
+    const void* src;
+    unsigned n;
+};
 struct EmuFiber {
     ucontext_t ctx;
     emu_dim3 tid;
     int state;
     std::vector<char> stack;
+    std::vector<EmuCopy> async;
 };
 struct EmuBlock {
     std::vector<EmuFiber> f;
@@ -135,6 +146,25 @@ template <int K> void emu_mma_s8(int* d, const unsigned* a, const unsigned* b) {
     }
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: a warp collective. Lanes 8 q .. 8 q + 7 give the
+// addresses of matrix q's 8 rows (16 bytes each); register q of lane l gets bytes 4 (l % 4) ..
+// of row l / 4 of matrix q.
+inline void emu_ldmatrix_x4(unsigned* d, const void* p) {
+    const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
+    emu_blk->xchg[warp][lane] = (unsigned long long)(uintptr_t)p;
+    __syncwarp();
+    for (unsigned q = 0; q < 4; q++) {
+        const unsigned char* row = (const unsigned char*)(uintptr_t)emu_blk->xchg[warp][8 * q + lane / 4];
+        memcpy(&d[q], row + 4 * (lane % 4), 4);
+    }
+    __syncwarp();
+}
+inline void emu_cp_async(void* dst, const void* src, unsigned n) { emu_cur->async.push_back(EmuCopy{dst, src, n}); }
+inline void emu_cp_async_wait() {
+    for (const EmuCopy& c : emu_cur->async) memcpy(c.dst, c.src, c.n);
+    emu_cur->async.clear();
+}
+
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
 inline int __dp4a(int a, int b, int c) {
@@ -142,6 +172,7 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 // PTX prmt.b32 (default mode): byte n of the result is byte c_n & 7 of b:a (a the low four), or
 // that byte's sign bit replicated when bit 3 of c_n, the selector's nibble n, is set.
 inline unsigned emu_prmt(unsigned a, unsigned b, unsigned c) {

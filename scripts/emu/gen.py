@@ -10,6 +10,31 @@ head = head.replace("#define DS4_NATIVE_BLOCKS 0", f"#define DS4_NATIVE_BLOCKS {
 body = "\n".join(open(f"{repo}/kernels/{f}").read() for f in ["common.cuh"] + files)
 body = body.replace('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);")
 body = body.replace('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);")
+# kernels/matvec.cu's mma_s8_m16n8k32 (A from two uint2, C the bias) as the emulator's collective.
+body = body.replace(
+    'asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "\n'
+    '        "{%10,%10,%10,%10};"\n'
+    '        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])\n'
+    '        : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(x.x), "r"(x.y), "r"(Q8_MMA_BIAS));',
+    "const unsigned a[4] = {wa.x, wb.x, wa.y, wb.y}, b[2] = {x.x, x.y};\n"
+    "    d[0] = d[1] = d[2] = d[3] = Q8_MMA_BIAS;\n"
+    "    emu_mma_s8<32>(d, a, b);",
+)
+# matvec.cu's cp.async copies, their wait, ldmatrix and dynamic shared memory (mat_mul_q8_0_tile).
+for n in (16, 4):
+    body = body.replace(
+        f'asm volatile("cp.async.{"cg" if n == 16 else "ca"}.shared.global [%0], [%1], {n};" '
+        '::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");',
+        f"emu_cp_async(dst, src, {n});",
+    )
+body = body.replace('asm volatile("cp.async.wait_all;" ::: "memory");', "emu_cp_async_wait();")
+body = body.replace(
+    'asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"\n'
+    '                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])\n'
+    '                 : "r"((u32)__cvta_generic_to_shared(p)));',
+    "emu_ldmatrix_x4(d, p);",
+)
+body = body.replace("extern __shared__ __align__(16) u8 q8t_smem[];", "static __align__(16) u8 q8t_smem[Q8T_SMEM];")
 # The int8 MMA wrappers (kernels/moe.cu mma_s8_k32: d, a, b) call the emulator's warp collective.
 body = re.sub(
     r'asm\("mma\.sync\.aligned\.m16n8k(16|32)\.row\.col\.s32\.s8\.s8\.s32 .*?\);',
@@ -20,4 +45,5 @@ body = re.sub(
 # The byte permutes (kernels/moe.cu prmt: d from a, b, c) call the emulator's.
 body = body.replace('asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));', "d = emu_prmt(a, b, c);")
 assert "asm(" not in body.replace("asm volatile", ""), "an asm statement is left"
+assert 'asm volatile("cp.async' not in body and 'asm volatile("ldmatrix' not in body, "a cp.async or ldmatrix asm is left"
 open(out, "w").write(head + body)
