@@ -170,6 +170,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
     *p = o + v;
     return o;
 }
+inline int atomicMax(int* p, int v) {
+    const int o = *p;
+    if (v > o) *p = v;
+    return o;
+}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -193,3 +198,6 @@ inline unsigned short emu_f2h(float f) {
 
 // Runs `kernel` over a grid as CUDA would (blocks one after another).
 void emu_launch(emu_dim3 grid, unsigned block, const std::function<void()>& body);
+// When not empty, the order emu_launch runs a one-row grid's blocks in (blockIdx.x values): to
+// check that a kernel's result does not depend on the order its blocks run in.
+extern std::vector<unsigned> emu_block_order;
