@@ -92,6 +92,18 @@ template <class T> T __shfl_up_sync(unsigned, T v, unsigned d) {
     return emu_shfl(v, src, src < 0);
 }
 
+// The live lanes of the warp whose v equals this lane's.
+inline unsigned __match_any_sync(unsigned, int v) {
+    const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
+    emu_blk->xchg[warp][lane] = (unsigned)v;
+    __syncwarp();
+    unsigned r = 0;
+    for (unsigned l = 0; l < 32 && warp * 32 + l < blockDim.x; l++)
+        if (emu_blk->f[warp * 32 + l].state != EMU_DONE && emu_blk->xchg[warp][l] == (unsigned)v) r |= 1u << l;
+    __syncwarp();
+    return r;
+}
+
 inline unsigned __ballot_sync(unsigned, int p) {
     const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
     emu_blk->xchg[warp][lane] = p != 0;
