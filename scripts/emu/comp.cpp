@@ -144,12 +144,12 @@ static int run(const Config& c) {
                        l_pooled.stride * c.rows / 4, &shown);
         bad += compare("row", (const u32*)l_row.base(), (const u32*)n_row.base(), l_row.stride * c.rows / 4, &shown);
         bad += compare("tickets", l_t.data(), n_t.data(), l_t.size(), &shown);
-        if (o == 0 || bad)
-            printf("%-38s ratio %3u hd %3u %s ape %s, rows %3u/%3u at %5u, %2u emits, blocks %s: %s\n", c.what, ratio,
-                   hd, c.quant ? "fp4" : "fp8", c.ape_f16 ? "f16" : "f32", c.active, c.rows, c.pos0, emits, orders[o],
-                   bad ? "DIFFER" : "same bits");
+        if (bad) printf("  blocks %s: %d words differ\n", orders[o], bad);
         bad_all += bad;
     }
+    printf("%-38s ratio %3u hd %3u %s ape %s, rows %3u/%3u at %5u, %2u emits, blocks in order, reversed, shuffled: %s\n",
+           c.what, ratio, hd, c.quant ? "fp4" : "fp8", c.ape_f16 ? "f16" : "f32", c.active, c.rows, c.pos0, emits,
+           bad_all ? "DIFFER" : "same bits");
     return bad_all;
 }
 
