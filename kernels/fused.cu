@@ -94,6 +94,213 @@ extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
 #endif
 }
 
+#if DS4_CHUNK_ROWS
+// compressor_update_chunk: the same chunk row loop with the rows in parallel (a block per chunk
+// row; only emit rows do work). A window's state rows come from the chunk's own kv / score rows or
+// from the state carried into the chunk, so an emit block finds for each state row its source as
+// the serial loop would have left it at that row, pools from the sources, and does the emit as
+// compressor_update_row (same device functions, same order). The last block to finish (a
+// ticket) writes the state left after the chunk, once no block still reads the carried state.
+#define COMP_MAX_STATE_ROWS 256
+#define COMP_MAX_HEAD_DIM 512
+#define COMP_CHUNK_THREADS 512
+
+// Source of window state row s: chunk row src >= 0 (its kv, and its score + ape at its
+// pos % ratio), or carried state row -1 - src.
+struct CompSources {
+    int src[COMP_MAX_STATE_ROWS];
+    const float* kv[COMP_MAX_STATE_ROWS];
+    const float* score[COMP_MAX_STATE_ROWS];
+    int ape[COMP_MAX_STATE_ROWS];  // element offset of the ape row, -1 for carried rows
+    int emit_before;               // the last emit row before (or up to) y, -1 if none
+    int emit_after;                // an emit row after y exists
+};
+
+// The state rows after row y's store (and, with `through`, after its shift): state row s of the
+// serial loop holds the latest active row y' <= y that stored into it, else the carried row. For
+// ratio 4, rows 4..8 take stores (4 + pos % 4); rows 0..4 are rows 4..8 as they were at the last
+// emit e (< y, or <= y with `through`), else the carried rows 0..4. Every thread must call it.
+__device__ void comp_sources(const StepParams* P, u64 cond, const CompressorUpdateArgs& a, const RowStrides& R,
+                             u32 n_rows, u32 y, bool through, CompSources* S) {
+    const u32 ratio = a.ratio, ns = ratio == 4 ? 8 : ratio;
+    for (u32 s = threadIdx.x; s < ns; s += blockDim.x) S->src[s] = -1 - (int)s;
+    if (threadIdx.x == 0) {
+        S->emit_before = -1;
+        S->emit_after = 0;
+    }
+    __syncthreads();
+    for (u32 t = threadIdx.x; t < n_rows; t += blockDim.x) {
+        if (!ds4_cond(P + t, cond)) continue;
+        const u32 m = P[t].pos % ratio;
+        const bool em = ds4_cond(P + t, a.emit_cond);
+        if (t <= y) atomicMax(&S->src[ratio == 4 ? 4 + m : m], (int)t);
+        if (em && (t < y || (through && t == y))) atomicMax(&S->emit_before, (int)t);
+        if (em && t > y) S->emit_after = 1;
+    }
+    __syncthreads();
+    const int e = S->emit_before;
+    if (ratio == 4 && e >= 0) {
+        // Rows 0..4 as rows 4..8 were after row e's store: its chunk rows, else carried rows 4..8.
+        if (threadIdx.x < 4) S->src[threadIdx.x] = -5 - (int)threadIdx.x;
+        __syncthreads();
+        for (u32 t = threadIdx.x; t <= (u32)e; t += blockDim.x)
+            if (ds4_cond(P + t, cond)) atomicMax(&S->src[P[t].pos % 4], (int)t);
+        __syncthreads();
+    }
+    for (u32 s = threadIdx.x; s < ns; s += blockDim.x) {
+        const int src = S->src[s];
+        if (src >= 0) {
+            CompressorUpdateArgs at = a;
+            ds4_row(at, R, (u32)src);
+            S->kv[s] = at.kv;
+            S->score[s] = at.score;
+            S->ape[s] = (int)((P[src].pos % ratio) * a.width);
+        } else {
+            const u64 k = (u64)(-1 - src);
+            S->kv[s] = a.state_kv + k * a.width;
+            S->score[s] = a.state_score + k * a.width;
+            S->ape[s] = -1;
+        }
+    }
+    __syncthreads();
+}
+
+// Window state row s, column c, as the serial loop's state holds it.
+__device__ __forceinline__ float comp_score(const CompSources* S, const CompressorUpdateArgs& a, u32 s, u32 c) {
+    const float v = S->score[s][c];
+    const int o = S->ape[s];
+    return o >= 0 ? v + wload(a.ape, a.ape_f16, (u64)o + c) : v;
+}
+
+// compressor_pool_value over the sources (the same order: maxima, then the sums in row order).
+__device__ float comp_pool_value(const CompSources* S, const CompressorUpdateArgs& a, u32 j) {
+    const u32 hd = a.head_dim, ratio = a.ratio;
+    float mx = -1.0e30f;
+    if (ratio == 4) {
+        for (u32 r = 0; r < 4; r++) {
+            mx = fmaxf(mx, comp_score(S, a, r, j));
+            mx = fmaxf(mx, comp_score(S, a, 4 + r, hd + j));
+        }
+    } else {
+#pragma unroll 4
+        for (u32 r = 0; r < ratio; r++) mx = fmaxf(mx, comp_score(S, a, r, j));
+    }
+    if (mx <= -1.0e30f * 0.5f) return 0.0f;
+    float denom = 0.0f, sum = 0.0f;
+    if (ratio == 4) {
+        for (u32 r = 0; r < 4; r++) {
+            const float wp = ds4_expf(comp_score(S, a, r, j) - mx), wc = ds4_expf(comp_score(S, a, 4 + r, hd + j) - mx);
+            denom += wp + wc;
+            sum += wp * S->kv[r][j];
+            sum += wc * S->kv[4 + r][hd + j];
+        }
+    } else {
+#pragma unroll 4
+        for (u32 r = 0; r < ratio; r++) {
+            const float w = ds4_expf(comp_score(S, a, r, j) - mx);
+            denom += w;
+            sum += w * S->kv[r][j];
+        }
+    }
+    return denom > 0.0f ? sum / denom : 0.0f;
+}
+
+// State rows first..end (all `width` columns) from their sources, where that is not the row
+// itself: 4-column pieces, each thread's loads of four pieces issued before their stores.
+__device__ void comp_write_state(const CompSources* S, const CompressorUpdateArgs& a, u32 first, u32 end) {
+    const u32 w4 = a.width / 4, n = (end - first) * w4;
+    for (u32 i0 = 0; i0 < n; i0 += 4 * blockDim.x) {
+        float4 kv[4], sc[4];
+        u64 at[4];
+        bool on[4];
+#pragma unroll
+        for (u32 u = 0; u < 4; u++) {
+            const u32 i = i0 + u * blockDim.x + threadIdx.x;
+            const u32 s = first + i / w4, c = (i % w4) * 4;
+            on[u] = i < n && S->src[s] != -1 - (int)s;
+            at[u] = (u64)s * a.width + c;
+            if (on[u]) {
+                kv[u] = *(const float4*)(S->kv[s] + c);
+                const float4 v = *(const float4*)(S->score[s] + c);
+                const int o = S->ape[s];
+                sc[u] = v;
+                if (o >= 0) {
+                    sc[u].x = v.x + wload(a.ape, a.ape_f16, (u64)o + c);
+                    sc[u].y = v.y + wload(a.ape, a.ape_f16, (u64)o + c + 1);
+                    sc[u].z = v.z + wload(a.ape, a.ape_f16, (u64)o + c + 2);
+                    sc[u].w = v.w + wload(a.ape, a.ape_f16, (u64)o + c + 3);
+                }
+            }
+        }
+#pragma unroll
+        for (u32 u = 0; u < 4; u++)
+            if (on[u]) {
+                *(float4*)(a.state_kv + at[u]) = kv[u];
+                *(float4*)(a.state_score + at[u]) = sc[u];
+            }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(COMP_CHUNK_THREADS) compressor_update_chunk(DS4_ARGS, CompressorUpdateArgs a) {
+    ds4_wait_predecessor();
+    __shared__ CompSources S;
+    __shared__ __align__(16) float pooled[COMP_MAX_HEAD_DIM];
+    __shared__ __align__(16) float row[COMP_MAX_HEAD_DIM];
+    __shared__ bool last;
+    const u32 n_rows = (u32)(cond >> 50) & 0x1fff, y = blockIdx.x;
+    const u32 hd = a.head_dim, ratio = a.ratio;
+    if (y < n_rows && ds4_cond(P + y, cond) && ds4_cond(P + y, a.emit_cond)) {
+        const u32 pos = P[y].pos;
+        comp_sources(P, cond, a, R, n_rows, y, false, &S);
+        for (u32 j = threadIdx.x; j < hd; j += blockDim.x) pooled[j] = comp_pool_value(&S, a, j);
+        __syncthreads();
+        const float scale = rms_scale_block(pooled, hd, a.eps);
+        for (u32 j = threadIdx.x; j < hd; j += blockDim.x) {
+            const float v = pooled[j] * scale;
+            row[j] = v * a.norm_w[j];
+        }
+        __syncthreads();
+        const u32 pairs = a.n_rot / 2;
+        const u32 rpos = pos + 1 >= ratio ? pos + 1 - ratio : 0;
+        rope_tail_block(row + (hd - a.n_rot), a.table + (u64)rpos * pairs * 2, pairs, false);
+        __syncthreads();
+        if (a.quant == 0) fp8_round_trip_block(row, hd - a.n_rot);
+        else indexer_qat_block(row);
+        __syncthreads();
+        const u32 n = (pos + 1) / ratio;
+        // The row's pooled and row outputs, as the loop leaves them (a shared buffer: the last emit's).
+        CompressorUpdateArgs ay = a, an = a;
+        ds4_row(ay, R, y);
+        ds4_row(an, R, y + 1);
+        const bool later = S.emit_after != 0;
+        for (u32 j = threadIdx.x; j < hd; j += blockDim.x) {
+            if (n > 0) a.cache[(u64)(n - 1) * hd + j] = round_f16(row[j]);
+            if (!later || an.pooled != ay.pooled) ay.pooled[j] = pooled[j];
+            if (!later || an.row != ay.row) ay.row[j] = row[j];
+        }
+    }
+    // Every read of the carried state is done before this block takes its ticket.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(a.tickets + a.ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    comp_sources(P, cond, a, R, n_rows, n_rows - 1, true, &S);
+    // Ratio 4's rows 0..4 may copy the carried rows 4..8: before those are overwritten.
+    if (ratio == 4) {
+        comp_write_state(&S, a, 0, 4);
+        __syncthreads();
+        comp_write_state(&S, a, 4, 8);
+    } else {
+        comp_write_state(&S, a, 0, ratio);
+    }
+    if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
+}
+#endif
+
 // Lane sum of one 512-term chunk of an F16 row times x * scale (the RMS-normalized input, each
 // value rounded as rms_norm stores it), in chunk_dot_f16's order.
 __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const float* x, float scale, u32 n, u32 lane) {

@@ -592,8 +592,15 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 // p = row * n_used + slot grouped by expert, ascending within an expert. Rows whose predicate is
 // false (past the chunk's tokens) have none; expert ids are clamped as the decode kernels clamp
 // them. Counts are integers (exact in any order); the order of the pairs is fixed by the scan.
-extern "C" __global__ void __launch_bounds__(1024) moe_route(DS4_ARGS, MoeRouteArgs a) {
-    ds4_wait_predecessor();
+//
+// The pairs of each expert are placed by warp 0 walking them in order, 32 at a time (a lane's place
+// is its expert's next free one plus its rank among the tile's lanes of that expert), in place of
+// a thread per expert scanning every pair (MOE_ROUTE_SERIAL=1 keeps that, to measure).
+#ifndef MOE_ROUTE_SERIAL
+#define MOE_ROUTE_SERIAL 0
+#endif
+__device__ __forceinline__ void moe_route_block(const StepParams* P, u64 cond, const RowStrides& R, const MoeRouteArgs& a,
+                                                bool serial) {
     __shared__ int ex[MOE_ROUTE_MAX_PAIRS];
     __shared__ u32 count[1024], start[1024];
     const u32 t = threadIdx.x, n_expert = a.n_expert, n_pairs = a.rows * a.n_used;
@@ -630,14 +637,40 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(DS4_ARGS, MoeRouteA
     }
     __syncthreads();
     u32* pairs = a.route + 2 * n_expert;
-    for (u32 e = t; e < n_expert; e += blockDim.x) {
-        const u32 n = count[e], s = start[e];
-        // Exactly n pairs name e: the scan stops at the last.
-        for (u32 q = 0, k = 0; k < n; q++)
-            if (ex[q] == (int)e) pairs[s + k++] = q;
-        a.route[e] = n;
-        a.route[n_expert + e] = s;
+    if (serial) {
+        for (u32 e = t; e < n_expert; e += blockDim.x) {
+            const u32 n = count[e], s = start[e];
+            // Exactly n pairs name e: the scan stops at the last.
+            for (u32 q = 0, k = 0; k < n; q++)
+                if (ex[q] == (int)e) pairs[s + k++] = q;
+            a.route[e] = n;
+            a.route[n_expert + e] = s;
+        }
+        return;
     }
+    for (u32 e = t; e < n_expert; e += blockDim.x) {
+        a.route[e] = count[e];
+        a.route[n_expert + e] = start[e];
+    }
+    __syncthreads();
+    // start[e] becomes expert e's next free place.
+    if (t < 32) {
+        for (u32 q0 = 0; q0 < n_pairs; q0 += 32) {
+            const u32 q = q0 + t;
+            const int e = q < n_pairs ? ex[q] : -1;
+            const u32 peers = __match_any_sync(0xffffffffu, e);
+            if (e >= 0) pairs[start[e] + __popc(peers & ((1u << t) - 1))] = q;
+            __syncwarp();
+            // The group's highest lane moves its expert's next place past the group.
+            if (e >= 0 && peers >> t == 1) start[e] += __popc(peers);
+            __syncwarp();
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_route(DS4_ARGS, MoeRouteArgs a) {
+    ds4_wait_predecessor();
+    moe_route_block(P, cond, R, a, MOE_ROUTE_SERIAL);
 }
 
 // Expert e's pairs: (count, the first of them).

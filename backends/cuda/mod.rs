@@ -299,6 +299,20 @@ mod imp {
         !std::env::var("DS4_CUDA_HC_PRE_CHUNK").is_ok_and(|v| v == "0")
     }
 
+    /// Whether a chunk's compressor row loop runs as `compressor_update_chunk` (kernels/fused.cu:
+    /// a block per chunk row, the emit rows in parallel, the same bits) instead of one block
+    /// looping over the rows (`compressor_update`). `DS4_CUDA_COMP_CHUNK=0` keeps the loop, to
+    /// measure.
+    fn comp_chunk() -> bool {
+        !std::env::var("DS4_CUDA_COMP_CHUNK").is_ok_and(|v| v == "0")
+    }
+    const COMP_CHUNK_KERNEL: &str = "compressor_update_chunk";
+    /// The kernel's block size and its shared arrays' bounds (COMP_CHUNK_THREADS,
+    /// COMP_MAX_HEAD_DIM, COMP_MAX_STATE_ROWS).
+    const COMP_CHUNK_THREADS: u32 = 512;
+    const COMP_CHUNK_MAX_HEAD_DIM: u32 = 512;
+    const COMP_CHUNK_MAX_RATIO: u32 = 256;
+
     /// Parameter rows of a chunk of `rows`: a whole number of the token groups of the Q8_0 and F16
     /// kernels.
     fn chunk_param_rows(rows: u32) -> u32 {
@@ -1663,6 +1677,20 @@ mod imp {
                     if l.kernel == "compressor_update" && rows < 1 << 13 {
                         let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
                         r.cond |= (rows as u64) << 50;
+                        let c = bytemuck::try_pod_read_unaligned::<args::CompressorUpdateArgs>(bytemuck::cast_slice(
+                            &r.args,
+                        ))
+                        .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
+                        // The rows in parallel, a block per row: same bits (kernels/fused.cu).
+                        if comp_chunk()
+                            && c.head_dim <= COMP_CHUNK_MAX_HEAD_DIM
+                            && (c.ratio == 4 || c.ratio <= COMP_CHUNK_MAX_RATIO)
+                        {
+                            r.kernel = COMP_CHUNK_KERNEL;
+                            r.func = funcs.get(COMP_CHUNK_KERNEL)?;
+                            r.block = COMP_CHUNK_THREADS;
+                            r.grid = rows;
+                        }
                         launches.push(r);
                         i = end;
                         continue;

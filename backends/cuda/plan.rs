@@ -893,6 +893,9 @@ impl<'a> Builder<'a> {
         let norm_w = self.f32_weight(nw)?;
         let table = self.rope_table(rope, n_rot);
         self.absorb(&next);
+        // The chunk build's compressor_update_chunk: its last block writes the state (a ticket).
+        self.tickets += 1;
+        self.need(Scratch::Tickets, self.tickets as usize * 4);
         let a = CompressorUpdateArgs {
             kv: b(kv),
             score: b(score),
@@ -904,6 +907,7 @@ impl<'a> Builder<'a> {
             row: b(row),
             table: Ptr::rope(table),
             cache: b(cache),
+            tickets: Scratch::Tickets.ptr(),
             emit_cond: pack_cond(Some(Cond::Emit { ratio })),
             ape_f16,
             width,
@@ -912,7 +916,7 @@ impl<'a> Builder<'a> {
             n_rot,
             quant,
             eps,
-            _pad: 0,
+            ticket: self.tickets - 1,
         };
         self.launch(1, 256, a);
         Ok(true)

@@ -1,6 +1,7 @@
 #include "emu.h"
 EmuFiber* emu_cur;
 EmuBlock* emu_blk;
+std::vector<unsigned> emu_block_order;
 
 static void emu_entry() {
     emu_blk->body();
@@ -22,7 +23,9 @@ void emu_launch(emu_dim3 grid, unsigned block, const std::function<void()>& body
     b.body = body;
     emu_blk = &b;
     for (unsigned by = 0; by < grid.y; by++)
-        for (unsigned bx = 0; bx < grid.x; bx++) {
+        for (unsigned ix = 0; ix < grid.x; ix++) {
+            const bool ordered = grid.y == 1 && emu_block_order.size() == grid.x;
+            const unsigned bx = ordered ? emu_block_order[ix] : ix;
             b.bid = {bx, by, 0};
             for (unsigned t = 0; t < block; t++) {
                 EmuFiber& f = b.f[t];

@@ -104,6 +104,18 @@ template <class T> T __shfl_up_sync(unsigned, T v, unsigned d) {
     return emu_shfl(v, src, src < 0);
 }
 
+// The live lanes of the warp whose v equals this lane's.
+inline unsigned __match_any_sync(unsigned, int v) {
+    const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
+    emu_blk->xchg[warp][lane] = (unsigned)v;
+    __syncwarp();
+    unsigned r = 0;
+    for (unsigned l = 0; l < 32 && warp * 32 + l < blockDim.x; l++)
+        if (emu_blk->f[warp * 32 + l].state != EMU_DONE && emu_blk->xchg[warp][l] == (unsigned)v) r |= 1u << l;
+    __syncwarp();
+    return r;
+}
+
 inline unsigned __ballot_sync(unsigned, int p) {
     const unsigned lane = emu_lane(), warp = threadIdx.x >> 5;
     emu_blk->xchg[warp][lane] = p != 0;
@@ -202,6 +214,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
     *p = o + v;
     return o;
 }
+inline int atomicMax(int* p, int v) {
+    const int o = *p;
+    if (v > o) *p = v;
+    return o;
+}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -225,3 +242,6 @@ inline unsigned short emu_f2h(float f) {
 
 // Runs `kernel` over a grid as CUDA would (blocks one after another).
 void emu_launch(emu_dim3 grid, unsigned block, const std::function<void()>& body);
+// When not empty, the order emu_launch runs a one-row grid's blocks in (blockIdx.x values): to
+// check that a kernel's result does not depend on the order its blocks run in.
+extern std::vector<unsigned> emu_block_order;
