@@ -94,6 +94,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ constexpr u32 bit_reverse5(u32 i) {
     return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
 }
+__device__ __forceinline__ constexpr u32 bit_reverse3(u32 i) { return ((i & 1) << 2) | (i & 2) | ((i & 4) >> 2); }
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

@@ -314,7 +314,6 @@ static_assert(Q8T_THREADS % Q8T_BN == 0 && 8 % Q8T_TPX == 0, "whole blocks of a 
 static_assert(Q8T_BN % 32 == 0 && Q8T_BN <= Q8T_THREADS, "a warp's ballot per 32 token rows");
 static_assert(Q8T_NT % 2 == 0, "B fragments by pairs of token tiles");
 
-__device__ __forceinline__ constexpr u32 bit_reverse3(u32 u) { return ((u & 1) << 2) | (u & 2) | ((u & 4) >> 2); }
 __device__ __forceinline__ constexpr u32 bit_reverse2(u32 s) { return ((s & 1) << 1) | ((s & 2) >> 1); }
 
 // 16 bytes from global to shared memory without passing through registers; cp_async_wait waits
@@ -917,7 +916,6 @@ struct F16Tile {
     u32 rows, rows2, in_dim, ticket;
 };
 
-__device__ __forceinline__ constexpr u32 bit_reverse3(u32 i) { return ((i & 1) << 2) | (i & 2) | ((i & 4) >> 2); }
 
 __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F16Tile& j) {
     static_assert(F16T_TR % 2 == 0 && F16T_TT % 2 == 0, "a thread stages TR / 2 weight and TT / 2 input units");
