@@ -1312,6 +1312,18 @@ __device__ __forceinline__ void moe2_prefetch_l2(const void* p) {
 #endif
 }
 
+// MOE2_PRMT_LO in a register the compiler keeps (it otherwise rebuilds the constant for every
+// prmt, whose first operand must be a register).
+__device__ __forceinline__ u32 moe2_prmt_lo() {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm volatile("mov.b32 %0, 0xe719f808;" : "=r"(r));
+    return r;
+#else
+    return MOE2_PRMT_LO;
+#endif
+}
+
 // x rotated right by n (0..31).
 __device__ __forceinline__ u32 moe2_rotr(u32 x, u32 n) {
 #if __CUDA_ARCH__ >= 800
@@ -1352,9 +1364,9 @@ __device__ __forceinline__ void moe2_entry(u32 aux0, u32 aux1, u32 t, u32 rot, u
     const u32 at = (moe2_rotr(aux0, rot) & 0x3fc0u) | copy;
     const u32 code = *(const u32*)((const u8*)codes + at);
     const u32 s = (aux1 >> (7 * t)) & 127;
-    const u32 sel = ((s * 0x00204081u) & 0x01111111u) | code | (((u32)__popc(s) << 28) & 0x10000000u);
-    *lo = prmt(MOE2_PRMT_LO, MOE2_PRMT_HI, sel);
-    *hi = prmt(MOE2_PRMT_LO, MOE2_PRMT_HI, sel >> 16);
+    const u32 sel = (((s * 0x00204081u) & 0x01111111u) | code) | (((u32)__popc(s) << 28) & 0x10000000u);
+    *lo = prmt(moe2_prmt_lo(), MOE2_PRMT_HI, sel);
+    *hi = prmt(moe2_prmt_lo(), MOE2_PRMT_HI, sel >> 16);
 }
 
 // 16 activation bytes (two entries of 8) in the MMA's k order of moe2_entry.
@@ -1469,14 +1481,14 @@ __device__ __forceinline__ void moe2_phase_blocks(u32* L, u32 nb, u32 end, u32* 
 // moe_gate_up_mma_iq2_xxs's, a warp per 16-row tile (8 gate rows, their 8 up rows), the same bits.
 // A pass takes up to 8 MOE2_TILES pairs; every block of the row goes by in leaf order; per
 // block, the warp's 1 KB of quants goes from registers (loaded a block ahead) to its copy in
-// shared memory, rows swizzled (chunk c of row r at c ^ (r / 2 % 4)) so that neither the stores
-// nor the lanes' broadcast loads meet a bank twice.
+// shared memory, rows 80 bytes apart so that the lanes' broadcast loads (8 rows, one chunk) meet
+// no bank twice.
 extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_gate_up_mma2_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
     ds4_wait_predecessor();
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     __shared__ u32 codes[256 * MOE2_COPIES];
-    __shared__ __align__(16) u8 wq[8][16 * 64];
+    __shared__ __align__(16) u8 wq[8][16 * 80];
     __shared__ __align__(16) u8 act[2][MOE2_PHASE * MOE2_COLS * MOE2_PAIR_STRIDE];
     __shared__ float actd[2][MOE2_PHASE * MOE2_COLS];
     moe2_code_table(a.grid, codes);
@@ -1490,7 +1502,6 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_gate_up_m
     // Lanes (g, 0) and (g, 1) prefetch gate row g and up row g into L2.
     const u8* pf = t == 0 ? gate.qs : up.qs;
     u8* mine = wq[warp];
-    const u32 swz_g = 16 * (t ^ ((g >> 1) & 3)), swz_u = 16 * (t ^ (((8 + g) >> 1) & 3));
     const u32* pairs;
     const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
     auto x_of = [&](u32 p) { return gate_up_pair_x(a, R, p); };
@@ -1550,8 +1561,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_gate_up_m
                 const float* xd = actd[ph & 1] + slot * MOE2_COLS;
                 // This block's quants to the warp's copy; the next block's into registers.
                 __syncwarp();
-                *(int4*)(mine + 64 * g + swz_g) = qg;
-                *(int4*)(mine + 64 * (8 + g) + swz_u) = qu;
+                *(int4*)(mine + 80 * g + 16 * t) = qg;
+                *(int4*)(mine + 80 * (8 + g) + 16 * t) = qu;
                 __syncwarp();
                 const float dg = h2f(hg), du = h2f(hu);
                 const u32 next = next_leaf(L, nb, end);
@@ -1572,8 +1583,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_gate_up_m
 #pragma unroll MOE2_UNROLL
                 for (u32 c = 0; c < 4; c++) {
                     // Sub-blocks 2c, 2c + 1 of gate row g and up row g (one broadcast load each).
-                    const uint4 wg = *(const uint4*)(mine + 64 * g + 16 * (c ^ ((g >> 1) & 3)));
-                    const uint4 wu = *(const uint4*)(mine + 64 * (8 + g) + 16 * (c ^ (((8 + g) >> 1) & 3)));
+                    const uint4 wg = *(const uint4*)(mine + 80 * g + 16 * c);
+                    const uint4 wu = *(const uint4*)(mine + 80 * (8 + g) + 16 * c);
 #pragma unroll
                     for (u32 hs = 0; hs < 2; hs++) {
                         const u32 s = 2 * c + hs;
