@@ -1431,13 +1431,17 @@ mod imp {
             let state = chunk.state_binding(&self.program).map_err(err)?;
             // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row expert launches, to measure against.
             // `DS4_CUDA_MOE_MMA=0` keeps the grouped kernels on CUDA cores instead of the int8
-            // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only), to measure against.
+            // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only), `=1` the first
+            // tensor-core kernels instead of the second, to measure against.
+            let mma = std::env::var("DS4_CUDA_MOE_MMA").ok();
             let experts = if std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_ok() {
                 plan::ChunkExperts::PerRow
-            } else if self.layout != BlockLayout::Split || std::env::var("DS4_CUDA_MOE_MMA").is_ok_and(|v| v == "0") {
+            } else if self.layout != BlockLayout::Split || mma.as_deref() == Some("0") {
                 plan::ChunkExperts::Grouped
-            } else {
+            } else if mma.as_deref() == Some("1") {
                 plan::ChunkExperts::GroupedMma
+            } else {
+                plan::ChunkExperts::GroupedMma2
             };
             let plan = plan::plan_experts(&chunk, true, false, experts).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;

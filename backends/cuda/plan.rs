@@ -152,6 +152,10 @@ pub enum ChunkExperts {
     /// (`moe_gate_up_mma_iq2_xxs`, `moe_down_mma_q2_k`; the split block layout only); other
     /// types as [`ChunkExperts::Grouped`].
     GroupedMma,
+    /// As [`ChunkExperts::GroupedMma`] with the second tensor-core kernels
+    /// (`moe_gate_up_mma2_iq2_xxs`, `moe_down_mma2_q2_k`): the same tiles and bits, fewer
+    /// instructions and stalls.
+    GroupedMma2,
 }
 
 /// Mid rows per warp of `moe_gate_up_mma_iq2_xxs` and output rows per warp of `moe_down_mma_q2_k`
@@ -303,11 +307,13 @@ impl<'a> Builder<'a> {
             _pad: 0,
         };
         self.launch(1, 1024, route);
-        let mma = self.experts == ChunkExperts::GroupedMma;
+        let mma2 = self.experts == ChunkExperts::GroupedMma2;
+        let mma = mma2 || self.experts == ChunkExperts::GroupedMma;
         if mma && gu.gate_ty == GgmlType::IQ2_XXS as u32 {
             // A warp per 8 mid rows (a tile of their gate and up rows) of an expert, 8 warps a block.
             self.launch(n_expert * blocks(ff / MOE_MMA_MID_ROWS, 8), 256, gu);
-            self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_mma_iq2_xxs";
+            self.launches.last_mut().expect("just launched").kernel =
+                if mma2 { "moe_gate_up_mma2_iq2_xxs" } else { "moe_gate_up_mma_iq2_xxs" };
         } else {
             // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
             self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
@@ -333,7 +339,8 @@ impl<'a> Builder<'a> {
         if mma && down_ty == GgmlType::Q2_K as u32 {
             // A warp per 16 output rows of an expert, 8 warps a block.
             self.launch(n_expert * blocks(out_dim.div_ceil(MOE_MMA_DOWN_ROWS), 8), 256, d);
-            self.launches.last_mut().expect("just launched").kernel = "moe_down_mma_q2_k";
+            self.launches.last_mut().expect("just launched").kernel =
+                if mma2 { "moe_down_mma2_q2_k" } else { "moe_down_mma_q2_k" };
         } else {
             // A warp per two output rows of an expert, 8 warps a block.
             self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
@@ -1630,28 +1637,34 @@ mod tests {
             let rows = 64;
             let chunk = crate::decode::record(&model, Caps { ctx: 256 }, rows, rows).unwrap();
             let grouped = plan(&chunk, true, false).unwrap();
-            let mma = plan_experts(&chunk, true, false, ChunkExperts::GroupedMma).unwrap();
-            assert_eq!(grouped.launches.len(), mma.launches.len());
-            let mut seen = 0;
-            for (g, m) in grouped.launches.iter().zip(&mma.launches) {
-                match m.kernel {
-                    "moe_gate_up_mma_iq2_xxs" => {
-                        assert_eq!(g.kernel, "moe_gate_up_grouped_iq2_xxs");
-                        assert_eq!((m.grid, m.block), (n_expert * (ff / 64) as u32, 256));
-                        seen += 1;
+            for (mode, gate_up, down) in [
+                (ChunkExperts::GroupedMma, "moe_gate_up_mma_iq2_xxs", "moe_down_mma_q2_k"),
+                (ChunkExperts::GroupedMma2, "moe_gate_up_mma2_iq2_xxs", "moe_down_mma2_q2_k"),
+            ] {
+                let mma = plan_experts(&chunk, true, false, mode).unwrap();
+                assert_eq!(grouped.launches.len(), mma.launches.len());
+                let mut seen = 0;
+                for (g, m) in grouped.launches.iter().zip(&mma.launches) {
+                    match m.kernel {
+                        k if k == gate_up => {
+                            assert_eq!(g.kernel, "moe_gate_up_grouped_iq2_xxs");
+                            assert_eq!((m.grid, m.block), (n_expert * (ff / 64) as u32, 256));
+                            seen += 1;
+                        }
+                        k if k == down => {
+                            assert_eq!(g.kernel, "moe_down_grouped");
+                            assert_eq!((m.grid, m.block), (n_expert * n_embd.div_ceil(16).div_ceil(8) as u32, 256));
+                            seen += 1;
+                        }
+                        k => assert_eq!((k, m.grid, m.block), (g.kernel, g.grid, g.block)),
                     }
-                    "moe_down_mma_q2_k" => {
-                        assert_eq!(g.kernel, "moe_down_grouped");
-                        assert_eq!((m.grid, m.block), (n_expert * n_embd.div_ceil(16).div_ceil(8) as u32, 256));
-                        seen += 1;
-                    }
-                    k => assert_eq!((k, m.grid, m.block), (g.kernel, g.grid, g.block)),
+                    assert_eq!((&m.args, &m.ops, m.cond), (&g.args, &g.ops, g.cond), "{}", m.kernel);
                 }
-                assert_eq!((&m.args, &m.ops, m.cond), (&g.args, &g.ops, g.cond), "{}", m.kernel);
+                assert_eq!(seen, 2 * preset.n_layer, "{}", preset.name);
+                let kernels: Vec<&str> = mma.launches.iter().map(|l| l.kernel).collect();
+                let want = [MMA[0], gate_up, MMA[2], down, MMA[4]];
+                assert!(kernels.windows(5).any(|w| w == want), "{kernels:?}");
             }
-            assert_eq!(seen, 2 * preset.n_layer, "{}", preset.name);
-            let kernels: Vec<&str> = mma.launches.iter().map(|l| l.kernel).collect();
-            assert!(kernels.windows(5).any(|w| w == MMA), "{kernels:?}");
             let decode = record_token(&model, Caps { ctx: 256 }).unwrap();
             let a = plan_experts(&decode, true, false, ChunkExperts::GroupedMma).unwrap().launches;
             let b = plan(&decode, true, false).unwrap().launches;

@@ -164,7 +164,8 @@ static int run(const Config& c, bool native) {
     // New: grouped by expert, on CUDA cores (mma false) or, where the layout and types have them,
     // on tensor cores; each compared with the old.
     int bad = 0;
-    for (int mma = 0; mma < 2; mma++) {
+    // mma: 0 CUDA cores, 1 the first tensor-core kernels, 2 the second (moe_*_mma2_*).
+    for (int mma = 0; mma < 3; mma++) {
         const bool mma_gate_up = mma && !native && c.gate_ty == 16, mma_down = mma && !native && c.down_ty == 10;
         if (mma && !mma_gate_up && !mma_down) continue;
         RowBuf mid_new(mid_bytes, c.rows), midq_new(midq_bytes, c.rows), out_new(c.out_dim * 4, c.rows);
@@ -191,8 +192,10 @@ static int run(const Config& c, bool native) {
         const RowStrides RG = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid_new.stride, 0, route.stride});
         if (mma_gate_up) {
 #if !DS4_NATIVE_BLOCKS
-            emu_launch({c.n_expert * blocks_of(c.ff / MOE_MMA_MID_ROWS, 8), 1, 1}, 256,
-                       [&] { moe_gate_up_mma_iq2_xxs(P0, cond, RG, a); });
+            emu_launch({c.n_expert * blocks_of(c.ff / MOE_MMA_MID_ROWS, 8), 1, 1}, 256, [&] {
+                if (mma == 2) moe_gate_up_mma2_iq2_xxs(P0, cond, RG, a);
+                else moe_gate_up_mma_iq2_xxs(P0, cond, RG, a);
+            });
 #endif
         } else {
             emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
@@ -217,8 +220,10 @@ static int run(const Config& c, bool native) {
         const RowStrides RD = row_strides({midq_new.stride, 0, parts.stride, 0, route.stride});
         if (mma_down) {
 #if !DS4_NATIVE_BLOCKS
-            emu_launch({c.n_expert * blocks_of((c.out_dim + MOE_MMA_DOWN_ROWS - 1) / MOE_MMA_DOWN_ROWS, 8), 1, 1}, 256,
-                       [&] { moe_down_mma_q2_k(P0, cond, RD, d); });
+            emu_launch({c.n_expert * blocks_of((c.out_dim + MOE_MMA_DOWN_ROWS - 1) / MOE_MMA_DOWN_ROWS, 8), 1, 1}, 256, [&] {
+                if (mma == 2) moe_down_mma2_q2_k(P0, cond, RD, d);
+                else moe_down_mma_q2_k(P0, cond, RD, d);
+            });
 #endif
         } else {
             emu_launch({c.n_expert * blocks_of((c.out_dim + 1) / 2, 8), 1, 1}, 256,
@@ -281,7 +286,8 @@ static int run(const Config& c, bool native) {
         }
         printf("gate %u%s down %u%s in %u ff %u out %u experts %u used %u rows %u/%u (most pairs %u) %s: %s (%u of "
                "%u outputs finite, nonzero)\n",
-               c.gate_ty, mma_gate_up ? " mma" : "", c.down_ty, mma_down ? " mma" : "", c.in_dim, c.ff, c.out_dim,
+               c.gate_ty, mma_gate_up ? (mma == 2 ? " mma2" : " mma") : "", c.down_ty,
+               mma_down ? (mma == 2 ? " mma2" : " mma") : "", c.in_dim, c.ff, c.out_dim,
                c.n_expert, c.n_used, c.active, c.rows, most, native ? "native" : "split",
                bad_mode ? "DIFFER" : "same bits", nonzero, c.active * c.out_dim);
         bad += bad_mode;
@@ -355,7 +361,37 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
                 }
     });
     printf("IQ2_XXS byte-permute decode against iq2_xxs_sub_weights: %s\n", bad ? "DIFFER" : "same");
-    return bad;
+    // The second kernels' decode (moe2_entry: sign bits by a multiply, nibbles in moe2_weight
+    // order) and their activations' permutation (moe2_permute) against the same weights.
+    int bad2 = 0;
+    emu_launch({1, 1, 1}, 256, [&] {
+        static u32 codes[256 * MOE2_COPIES];
+        moe2_code_table(grid.data(), codes);
+        __syncthreads();
+        const u32 lane = threadIdx.x & 31, copy = 4 * (lane & 15);
+        for (u32 idx = threadIdx.x; idx < 256; idx += 256)
+            for (u32 s = 0; s < 128; s++)
+                for (u32 l = 0; l < 4; l++) {
+                    const u32 aux0 = idx << (8 * l) | (rnd() & ~(255u << (8 * l))), aux1 = s << (7 * l);
+                    int want[8];
+                    iq2_xxs_sub_weights(aux0 & (255u << (8 * l)), aux1, grid.data(), want);
+                    u32 lo, hi;
+                    moe2_entry(aux0, aux1, l, (8 * l + 26) & 31, copy, codes, &lo, &hi);
+                    // Dot with activation bytes 1..8 both ways.
+                    const int4 xv = moe2_permute(make_int4(0x04030201, 0x08070605, 0, 0));
+                    const u32 wb[2] = {(u32)want[2 * l], (u32)want[2 * l + 1]};
+                    const int ref = __dp4a((int)wb[0], 0x04030201, __dp4a((int)wb[1], 0x08070605, 0));
+                    const int got = __dp4a((int)lo, xv.x, __dp4a((int)hi, xv.y, 0));
+                    for (u32 n = 0; n < 8; n++) {
+                        const u32 w = n < 4 ? (lo >> (8 * n)) & 255 : (hi >> (8 * (n - 4))) & 255;
+                        const u32 m = moe2_weight(n), ww = (wb[m / 4] >> (8 * (m % 4))) & 255;
+                        bad2 += w != ww;
+                    }
+                    bad2 += ref != got;
+                }
+    });
+    printf("IQ2_XXS decode of the second kernels against iq2_xxs_sub_weights: %s\n", bad2 ? "DIFFER" : "same");
+    return bad + bad2;
 }
 #endif
 
@@ -386,6 +422,8 @@ int main(int argc, char** argv) {
         {16, 10, 512, 512, 100, 8, 2, 22, 20, {0, 1, 3, 8, 9, 17, 0, 2}},
         {16, 10, 8448, 256, 40, 8, 2, 21, 20, {2, 0, 17, 9, 8, 3, 1, 0}},  // two chunks per row
         {16, 10, 4096, 2048, 48, 4, 2, 6, 5, {1, 3, 0, 6}},                 // Flash's widths (16, 8 blocks)
+        // Experts of 0, 1, 3, 8, 9, 17, 33 pairs (up to five tiles of 8), at Flash's widths.
+        {16, 10, 4096, 2048, 40, 8, 2, 38, 36, {0, 1, 3, 8, 9, 17, 33, 1}},
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     for (int i = 0; i < (int)(sizeof(configs) / sizeof(configs[0])); i++)
