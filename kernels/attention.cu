@@ -355,7 +355,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_CHUNK_THREADS, ATTN_CHUNK_MIN_
 //     adds the 16 level-one sums in the butterfly's tree, d = 0 + that, times kq_scale.
 //     The lane sum's first product enters without `0 +` (the sum feeds d = 0 + ..., which
 //     absorbs a zero's sign).
-//   Softmax: a warp per (row, head) as attention_chunk.
+//   Softmax: a warp per (row, head) as attention_chunk; the chunk sums read the weights from
+//     shared memory when they fit (1024 floats a warp).
 //   Weighted sum: thread (row, 8 heads, 8 dims) walks its row's rows in order: p += w * v inside
 //     a chunk of the row's own index, acc += p at its end; out = (acc + p) * inv.
 // The KV rows are staged in tiles of ATTN_ROWS_TILE rows twice (scores, then the weighted sum),
@@ -377,9 +378,11 @@ struct AttnRowsY {
 
 extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_rows(DS4_ARGS, AttentionArgs a0) {
     ds4_wait_predecessor();
-    __shared__ __align__(16) float tile[ATTN_ROWS_TILE * 512];
-    // Per warp: the level-one sums of [tile row][lane ^ tile row][head] (the xor spreads the banks).
-    __shared__ __align__(16) float part[8][ATTN_ROWS_TILE][16][4];
+    // The KV tile, then per warp the level-one sums of [tile row][lane ^ tile row][head] (the xor
+    // spreads the banks); during the softmax, 1024 floats a warp for its weights.
+    __shared__ __align__(16) float smem[ATTN_ROWS_TILE * 512 + 8 * ATTN_ROWS_TILE * 64];
+    float* const tile = smem;
+    float* const part = smem + ATTN_ROWS_TILE * 512;
     __shared__ __align__(16) float wt[ATTN_ROWS_TILE][2][ATTN_ROWS_HEADS];  // weights [row][token row][head]
     __shared__ u16 vis[2][ATTN_ROWS_VIS];
     __shared__ float inv_sh[2][ATTN_ROWS_HEADS];
@@ -443,8 +446,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
     }
 
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // The tile's dims past head_dim stay +0 (staging writes the first head_dim).
-    for (u32 f = tid; f < ATTN_ROWS_TILE * 128; f += ATTN_ROWS_THREADS) *(float4*)(tile + 4 * f) = zero4;
     // One pass of the block over a universe: `single` 2 is the shared one; 0 or 1 is that token
     // row alone, its own rows in order (universe row u = its row u).
     auto run = [&](u32 single) {
@@ -479,6 +480,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
             }
         };
         __syncthreads();
+        // The tile's dims past head_dim are +0 for the scores (staging writes the first head_dim).
+        for (u32 f = tid; f < ATTN_ROWS_TILE * 128; f += ATTN_ROWS_THREADS) *(float4*)(tile + 4 * f) = zero4;
 
         // Scores: this warp's token row and 4 heads.
         const u32 si = warp >> 2, hq0 = (warp & 3) * 4;
@@ -533,7 +536,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                 s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
                 s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
                 s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
-                if (lane < 16) *(float4*)part[warp][jj][lane ^ jj] = s1;
+                if (lane < 16) *(float4*)(part + ((warp * ATTN_ROWS_TILE + jj) * 16 + (lane ^ jj)) * 4) = s1;
             }
             __syncwarp();
             // Lane (tile row lane / 4, head lane % 4): the butterfly's levels 8, 4, 2, 1 of the
@@ -544,7 +547,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                 if (r != ATTN_ROWS_NONE) {
                     float s[16];
 #pragma unroll
-                    for (u32 l = 0; l < 16; l++) s[l] = part[warp][mj][l ^ mj][mk];
+                    for (u32 l = 0; l < 16; l++) s[l] = part[((warp * ATTN_ROWS_TILE + mj) * 16 + (l ^ mj)) * 4 + mk];
 #pragma unroll
                     for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
 #pragma unroll
@@ -558,8 +561,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
             }
         }
         __syncthreads();
-        // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3.
+        // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3. The weights
+        // also go to the warp's buffer (chunk c's row r at r + c, so that the lanes' chunk sums
+        // read distinct banks) when they fit, for the chunk sums.
         const u32 n_chunks = (ys.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+        float* const wbuf = smem + warp * 1024;
+        const bool inbuf = ys.n_rows + n_chunks <= 1024;
         for (u32 k = 0; k < 4; k++) {
             const u32 hh = hq0 + k;
             if (!on || hh >= n_group) break;
@@ -568,7 +575,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
             float m = sink;
             for (u32 r = lane; r < ys.n_rows; r += 32) m = fmaxf(m, sc[r]);
             m = warp_max(m);
-            for (u32 r = lane; r < ys.n_rows; r += 32) sc[r] = ds4_expf(sc[r] - m);
+            for (u32 r = lane; r < ys.n_rows; r += 32) {
+                const float e = ds4_expf(sc[r] - m);
+                sc[r] = e;
+                if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
+            }
             __syncwarp();
             // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
             // sums in order.
@@ -578,7 +589,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                 float s = 0.0f;
                 if (c < n_chunks) {
                     const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, ys.n_rows);
-                    for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += sc[r];
+                    for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
                 }
                 for (u32 l = 0; l < 32; l++) {
                     const float cs = __shfl_sync(0xffffffffu, s, l);
@@ -586,6 +597,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                 }
             }
             if (lane == 0) inv_sh[si][hh] = 1.0f / denom;
+            __syncwarp();
         }
         __syncthreads();
 
