@@ -337,6 +337,383 @@ extern "C" __global__ void __launch_bounds__(ATTN_CHUNK_THREADS, ATTN_CHUNK_MIN_
 }
 #endif
 
+#if DS4_CHUNK_ROWS
+// attention's chunk form over two token rows and 16 heads a block (mod.rs: build_chunk; the
+// default; DS4_CUDA_ATTN_CHUNK=1 keeps attention_chunk, =0 `attention`): each staged KV row feeds
+// 32 (row, head) pairs instead of 16. Neighbouring token rows see nearly the same KV rows, so the
+// block walks a "universe" of rows that covers both: the raw rows of both windows by ascending
+// position, then the compressed rows by ascending index; vis[i][u] is token row i's own index of
+// universe row u in `attention`'s order (raw rows oldest first, then its visible compressed rows,
+// or its `selected` list), or none. Both orders ascend, so each row meets its rows in its own
+// order and skips the rest. The indexer's list is ascending (indexer_top_k); a block checks it
+// (strictly ascending, each entry visible) and otherwise, or when the universe overflows the
+// table, runs its rows one at a time with the universe = that row's own rows (no sharing).
+// Every (row, head) gets `attention`'s bits:
+//   Scores: warp w owns token row w / 4 and heads 4 (w % 4) .. + 3, q of its lane's dims in
+//     registers; per KV row a lane forms chunk_dot_f32's lane sums of its 4 heads and the
+//     butterfly's first level (l + (l ^ 16)) by one shuffle; then lane (row, head) of the warp
+//     adds the 16 level-one sums in the butterfly's tree, d = 0 + that, times kq_scale.
+//     The lane sum's first product enters without `0 +` (the sum feeds d = 0 + ..., which
+//     absorbs a zero's sign).
+//   Softmax: a warp per (row, head) as attention_chunk; the chunk sums read the weights from
+//     shared memory when they fit (1024 floats a warp).
+//   Weighted sum: thread (row, 8 heads, 8 dims) walks its row's rows in order: p += w * v inside
+//     a chunk of the row's own index, acc += p at its end; out = (acc + p) * inv.
+// The KV rows are staged in tiles of ATTN_ROWS_TILE rows twice (scores, then the weighted sum),
+// the next tile in registers while the current one is used. head_dim <= 512 and a multiple of 4
+// (plan.rs, mod.rs). The token row count is in cond bits 50..62; blockIdx.y picks the row pair.
+#define ATTN_ROWS_THREADS 256
+#define ATTN_ROWS_HEADS 16
+#define ATTN_ROWS_TILE 8
+#define ATTN_ROWS_VIS 3072  // universe rows vis holds
+#define ATTN_ROWS_NONE 0xffffu
+#define ATTN_ROWS_LOADS (ATTN_ROWS_TILE * 128 / ATTN_ROWS_THREADS)
+
+// One token row of a block.
+struct AttnRowsY {
+    AttentionArgs a;  // its pointers
+    u32 pos, n_raw, n_comp, n_rows, first;
+    bool indexed, on;
+};
+
+extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_rows(DS4_ARGS, AttentionArgs a0) {
+    ds4_wait_predecessor();
+    // The KV tile, then per warp the level-one sums of [tile row][lane ^ tile row][head] (the xor
+    // spreads the banks); during the softmax, 1024 floats a warp for its weights.
+    __shared__ __align__(16) float smem[ATTN_ROWS_TILE * 512 + 8 * ATTN_ROWS_TILE * 64];
+    float* const tile = smem;
+    float* const part = smem + ATTN_ROWS_TILE * 512;
+    __shared__ __align__(16) float wt[ATTN_ROWS_TILE][2][ATTN_ROWS_HEADS];  // weights [row][token row][head]
+    __shared__ u16 vis[2][ATTN_ROWS_VIS];
+    __shared__ float inv_sh[2][ATTN_ROWS_HEADS];
+    __shared__ u32 flag_sh;
+    const u32 rows = (u32)(cond >> 50) & 0x1fff;
+    const u32 head_dim = a0.head_dim, quads = head_dim / 4;
+    const u32 h0 = blockIdx.x * ATTN_ROWS_HEADS, n_group = min((u32)ATTN_ROWS_HEADS, a0.n_head - h0);
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    AttnRowsY Y[2];
+#pragma unroll
+    for (u32 i = 0; i < 2; i++) {
+        const u32 y = blockIdx.y * 2 + i;
+        AttnRowsY& v = Y[i];
+        v.a = a0;
+        ds4_row(v.a, R, y);
+        v.on = y < rows && ds4_cond(P + y, cond);
+        v.pos = v.on ? P[y].pos : 0;
+        v.n_raw = v.on ? ds4_raw_rows(P + y, a0.window, a0.raw_cap) : 0;
+        v.n_comp = v.on ? ds4_comp_rows(P + y, a0.ratio, a0.comp_cap) : 0;
+        v.indexed = a0.selected != 0 && v.n_comp > a0.top_k;
+        v.n_rows = v.n_raw + (v.indexed ? a0.top_k : v.n_comp);
+        v.first = v.pos + 1 - v.n_raw;
+    }
+    if (!Y[0].on && !Y[1].on) return;
+
+    // The shared universe when both rows run: raw positions lo..hi, then compressed rows 0..n_comp.
+    const u32 lo = min(Y[0].first, Y[1].first), hi = max(Y[0].pos, Y[1].pos);
+    const u32 u_raw = hi + 1 - lo, u_all = u_raw + max(Y[0].n_comp, Y[1].n_comp);
+    bool shared = Y[0].on && Y[1].on && hi - lo < ATTN_ROWS_VIS && u_all <= ATTN_ROWS_VIS;
+    if (shared) {
+        for (u32 u = tid; u < u_all; u += ATTN_ROWS_THREADS)
+#pragma unroll
+            for (u32 i = 0; i < 2; i++) {
+                const AttnRowsY& v = Y[i];
+                u32 r = ATTN_ROWS_NONE;
+                if (u < u_raw) {
+                    const u32 p = lo + u;
+                    if (p >= v.first && p <= v.pos) r = p - v.first;
+                } else if (!v.indexed && u - u_raw < v.n_comp) {
+                    r = v.n_raw + (u - u_raw);
+                }
+                vis[i][u] = (u16)r;
+            }
+        if (tid == 0) flag_sh = 0;
+        __syncthreads();
+#pragma unroll
+        for (u32 i = 0; i < 2; i++) {
+            const AttnRowsY& v = Y[i];
+            if (!v.indexed) continue;
+            for (u32 e = tid; e < a0.top_k; e += ATTN_ROWS_THREADS) {
+                const int c = v.a.selected[e];
+                const bool ok = c >= 0 && (u32)c < v.n_comp && (e == 0 || v.a.selected[e - 1] < c);
+                if (ok)
+                    vis[i][u_raw + c] = (u16)(v.n_raw + e);
+                else
+                    flag_sh = 1;
+            }
+        }
+        __syncthreads();
+        shared = flag_sh == 0;
+    }
+
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // One pass of the block over a universe: `single` 2 is the shared one; 0 or 1 is that token
+    // row alone, its own rows in order (universe row u = its row u).
+    auto run = [&](u32 single) {
+        const u32 n_univ = single < 2 ? Y[single].n_rows : u_all;
+        auto mine = [&](u32 i) { return single < 2 ? i == single : Y[i].on; };
+        auto visof = [&](u32 i, u32 u) -> u32 {
+            if (single < 2) return i == single ? u : ATTN_ROWS_NONE;
+            return vis[i][u];
+        };
+        auto kv_row = [&](u32 u) -> const float* {
+            if (single < 2) {
+                const AttnRowsY& v = Y[single];
+                if (u < v.n_raw) return a0.raw + (u64)((v.first + u) % a0.raw_cap) * head_dim;
+                return a0.comp + (u64)(v.indexed ? v.a.selected[u - v.n_raw] : (int)(u - v.n_raw)) * head_dim;
+            }
+            if (u < u_raw) return a0.raw + (u64)((lo + u) % a0.raw_cap) * head_dim;
+            return a0.comp + (u64)(u - u_raw) * head_dim;
+        };
+        float4 pf[ATTN_ROWS_LOADS];
+        auto load_tile = [&](u32 t0) {
+#pragma unroll
+            for (u32 k = 0; k < ATTN_ROWS_LOADS; k++) {
+                const u32 f = tid + k * ATTN_ROWS_THREADS, j = f / quads;
+                if (j < ATTN_ROWS_TILE && t0 + j < n_univ) pf[k] = *(const float4*)(kv_row(t0 + j) + 4 * (f % quads));
+            }
+        };
+        auto store_tile = [&](u32 t0) {
+#pragma unroll
+            for (u32 k = 0; k < ATTN_ROWS_LOADS; k++) {
+                const u32 f = tid + k * ATTN_ROWS_THREADS, j = f / quads;
+                if (j < ATTN_ROWS_TILE && t0 + j < n_univ) *(float4*)(tile + j * 512 + 4 * (f % quads)) = pf[k];
+            }
+        };
+        __syncthreads();
+        // The tile's dims past head_dim are +0 for the scores (staging writes the first head_dim).
+        for (u32 f = tid; f < ATTN_ROWS_TILE * 128; f += ATTN_ROWS_THREADS) *(float4*)(tile + 4 * f) = zero4;
+
+        // Scores: this warp's token row and 4 heads.
+        const u32 si = warp >> 2, hq0 = (warp & 3) * 4;
+        const AttnRowsY ys = si ? Y[1] : Y[0];
+        const bool on = mine(si);
+        float4 q[4][4];
+#pragma unroll
+        for (u32 k = 0; k < 4; k++)
+#pragma unroll
+            for (u32 u = 0; u < 4; u++) {
+                const u32 d = u * 128 + lane * 4;
+                q[k][u] = zero4;
+                if (on && d < head_dim && hq0 + k < n_group)
+                    q[k][u] = *(const float4*)(ys.a.q + (u64)(h0 + hq0 + k) * head_dim + d);
+            }
+        load_tile(0);
+        for (u32 t0 = 0; t0 < n_univ; t0 += ATTN_ROWS_TILE) {
+            __syncthreads();
+            store_tile(t0);
+            __syncthreads();
+            if (t0 + ATTN_ROWS_TILE < n_univ) load_tile(t0 + ATTN_ROWS_TILE);
+            if (!on) continue;
+            const u32 nj = min((u32)ATTN_ROWS_TILE, n_univ - t0);
+            for (u32 jj = 0; jj < nj; jj++) {
+                if (visof(si, t0 + jj) == ATTN_ROWS_NONE) continue;
+                // Dims past head_dim hold +0 in q and in the tile: their products and sums are
+                // +0, as the lane sums that skip them (no branch per float4).
+                const float* kr = tile + jj * 512 + lane * 4;
+                float acc[4];
+                const float4 y0 = *(const float4*)kr;
+#pragma unroll
+                for (u32 k = 0; k < 4; k++) {
+                    // The lane's first product enters without `0 +` (see above).
+                    acc[k] = q[k][0].x * y0.x;
+                    acc[k] += q[k][0].y * y0.y;
+                    acc[k] += q[k][0].z * y0.z;
+                    acc[k] += q[k][0].w * y0.w;
+                }
+#pragma unroll
+                for (u32 u = 1; u < 4; u++) {
+                    const float4 y = *(const float4*)(kr + u * 128);
+#pragma unroll
+                    for (u32 k = 0; k < 4; k++) {
+                        acc[k] += q[k][u].x * y.x;
+                        acc[k] += q[k][u].y * y.y;
+                        acc[k] += q[k][u].z * y.z;
+                        acc[k] += q[k][u].w * y.w;
+                    }
+                }
+                float4 s1;
+                s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
+                s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
+                s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
+                s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+                if (lane < 16) *(float4*)(part + ((warp * ATTN_ROWS_TILE + jj) * 16 + (lane ^ jj)) * 4) = s1;
+            }
+            __syncwarp();
+            // Lane (tile row lane / 4, head lane % 4): the butterfly's levels 8, 4, 2, 1 of the
+            // level-one sums of lanes 0..15.
+            const u32 mj = lane >> 2, mk = lane & 3;
+            if (mj < nj && hq0 + mk < n_group) {
+                const u32 r = visof(si, t0 + mj);
+                if (r != ATTN_ROWS_NONE) {
+                    float s[16];
+#pragma unroll
+                    for (u32 l = 0; l < 16; l++) s[l] = part[((warp * ATTN_ROWS_TILE + mj) * 16 + (l ^ mj)) * 4 + mk];
+#pragma unroll
+                    for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
+#pragma unroll
+                    for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
+#pragma unroll
+                    for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
+                    float d = 0.0f;
+                    d += s[0] + s[1];
+                    ys.a.scores[(u64)(h0 + hq0 + mk) * a0.max_rows + r] = d * a0.kq_scale;
+                }
+            }
+        }
+        __syncthreads();
+        // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3. The weights
+        // also go to the warp's buffer (chunk c's row r at r + c, so that the lanes' chunk sums
+        // read distinct banks) when they fit, for the chunk sums.
+        const u32 n_chunks = (ys.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+        float* const wbuf = smem + warp * 1024;
+        const bool inbuf = ys.n_rows + n_chunks <= 1024;
+        for (u32 k = 0; k < 4; k++) {
+            const u32 hh = hq0 + k;
+            if (!on || hh >= n_group) break;
+            float* sc = ys.a.scores + (u64)(h0 + hh) * a0.max_rows;
+            const float sink = a0.sinks[h0 + hh];
+            float m = sink;
+            for (u32 r = lane; r < ys.n_rows; r += 32) m = fmaxf(m, sc[r]);
+            m = warp_max(m);
+            for (u32 r = lane; r < ys.n_rows; r += 32) {
+                const float e = ds4_expf(sc[r] - m);
+                sc[r] = e;
+                if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
+            }
+            __syncwarp();
+            // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
+            // sums in order.
+            float denom = ds4_expf(sink - m);
+            for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
+                const u32 c = c0 + lane;
+                float s = 0.0f;
+                if (c < n_chunks) {
+                    const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, ys.n_rows);
+                    for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
+                }
+                for (u32 l = 0; l < 32; l++) {
+                    const float cs = __shfl_sync(0xffffffffu, s, l);
+                    if (c0 + l < n_chunks) denom += cs;
+                }
+            }
+            if (lane == 0) inv_sh[si][hh] = 1.0f / denom;
+            __syncwarp();
+        }
+        __syncthreads();
+
+        // Weighted sum: thread (token row tid / 128, heads 8 oct .. + 7, dims 4 dq .. + 3 and
+        // 256 + 4 dq .. + 3); the same token row as the warp's scores.
+        const u32 oct = (tid >> 6) & 1, dq = tid & 63;
+        // Staging the weights: thread (tile row, token row, head).
+        const u32 wj = tid >> 5, wi = (tid >> 4) & 1, wh = tid & 15;
+        const float* wsc = (wi ? Y[1].a.scores : Y[0].a.scores) + (u64)(h0 + wh) * a0.max_rows;
+        float wpf = 0.0f;
+        auto load_weight = [&](u32 t0) {
+            wpf = 0.0f;
+            if (t0 + wj < n_univ && mine(wi) && wh < n_group) {
+                const u32 r = visof(wi, t0 + wj);
+                if (r != ATTN_ROWS_NONE) wpf = wsc[r];
+            }
+        };
+        float4 acc[8][2], p[8][2];
+#pragma unroll
+        for (u32 k = 0; k < 8; k++) acc[k][0] = acc[k][1] = p[k][0] = p[k][1] = zero4;
+        load_tile(0);
+        load_weight(0);
+        for (u32 t0 = 0; t0 < n_univ; t0 += ATTN_ROWS_TILE) {
+            __syncthreads();
+            store_tile(t0);
+            (&wt[0][0][0])[tid] = wpf;
+            __syncthreads();
+            if (t0 + ATTN_ROWS_TILE < n_univ) {
+                load_tile(t0 + ATTN_ROWS_TILE);
+                load_weight(t0 + ATTN_ROWS_TILE);
+            }
+            if (!on) continue;
+            const u32 nj = min((u32)ATTN_ROWS_TILE, n_univ - t0);
+            for (u32 j = 0; j < nj; j++) {
+                const u32 r = visof(si, t0 + j);
+                if (r == ATTN_ROWS_NONE) continue;
+                if (r > 0 && r % DS4_ATTN_ROW_CHUNK == 0) {
+                    // A chunk of this token row's rows ends: its sums join the total in order.
+#pragma unroll
+                    for (u32 k = 0; k < 8; k++)
+#pragma unroll
+                        for (u32 hf = 0; hf < 2; hf++) {
+                            acc[k][hf].x += p[k][hf].x;
+                            acc[k][hf].y += p[k][hf].y;
+                            acc[k][hf].z += p[k][hf].z;
+                            acc[k][hf].w += p[k][hf].w;
+                            p[k][hf] = zero4;
+                        }
+                }
+                const float4 v[2] = {*(const float4*)(tile + j * 512 + 4 * dq), *(const float4*)(tile + j * 512 + 256 + 4 * dq)};
+                const float4 w0 = *(const float4*)&wt[j][si][8 * oct];
+                const float4 w1 = *(const float4*)&wt[j][si][8 * oct + 4];
+                const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+                for (u32 k = 0; k < 8; k++)
+#pragma unroll
+                    for (u32 hf = 0; hf < 2; hf++) {
+                        p[k][hf].x += w[k] * v[hf].x;
+                        p[k][hf].y += w[k] * v[hf].y;
+                        p[k][hf].z += w[k] * v[hf].z;
+                        p[k][hf].w += w[k] * v[hf].w;
+                    }
+            }
+        }
+        if (on) {
+#pragma unroll
+            for (u32 k = 0; k < 8; k++) {
+                const u32 hh = 8 * oct + k;
+                if (hh >= n_group) break;
+                const float inv = inv_sh[si][hh];
+#pragma unroll
+                for (u32 hf = 0; hf < 2; hf++) {
+                    const u32 d = hf * 256 + 4 * dq;
+                    if (d >= head_dim) break;
+                    float4 o;
+                    o.x = (acc[k][hf].x + p[k][hf].x) * inv;
+                    o.y = (acc[k][hf].y + p[k][hf].y) * inv;
+                    o.z = (acc[k][hf].z + p[k][hf].z) * inv;
+                    o.w = (acc[k][hf].w + p[k][hf].w) * inv;
+                    *(float4*)(ys.a.out + (u64)(h0 + hh) * head_dim + d) = o;
+                }
+            }
+        }
+    };
+    if (shared) {
+        run(2);
+    } else {
+        if (Y[0].on) run(0);
+        if (Y[1].on) run(1);
+    }
+    // Fused (plan.rs): the inverse RoPE of each head's tail, then the heads' Q8_0 quantization,
+    // as `attention` computes them, for both token rows.
+    if (a0.rope) {
+        __syncthreads();
+        const u32 pairs = a0.n_rot / 2, per = n_group * pairs;
+        for (u32 t = tid; t < 2 * per; t += ATTN_ROWS_THREADS) {
+            const u32 i = t / per, tt = t % per;
+            const AttnRowsY& v = Y[i];
+            if (!v.on) continue;
+            float* og = v.a.out + (u64)h0 * head_dim;
+            rope_pair(og + (tt / pairs) * head_dim + (head_dim - a0.n_rot), a0.rope + (u64)v.pos * pairs * 2, tt % pairs, true);
+        }
+    }
+    if (a0.xq) {
+        __syncthreads();
+        const u32 nb = n_group * head_dim / 32;
+        for (u32 b = warp; b < 2 * nb; b += ATTN_ROWS_THREADS / 32) {
+            const u32 i = b / nb, bb = b % nb;
+            const AttnRowsY& v = Y[i];
+            if (!v.on) continue;
+            quantize_q8_0_warp(v.a.out[(u64)h0 * head_dim + bb * 32 + lane], v.a.xq, v.a.xd, h0 * (head_dim / 32) + bb, lane);
+        }
+    }
+}
+#endif
+
 #if !DS4_CHUNK_ROWS
 // attention's decode form split over the KV rows (plan.rs picks it for a decode program with
 // head_dim <= 512; DS4_CUDA_ATTN_DECODE=0 keeps `attention`). `attention` runs a block per head

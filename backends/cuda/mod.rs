@@ -205,6 +205,14 @@ mod imp {
         Some(n.filter(|n| matches!(n, 128 | 256 | 512)).unwrap_or(256))
     }
     const ATTN_CHUNK_KERNEL: &str = "attention_chunk";
+    /// The chunk build's attention with a block per (pair of token rows, 16 heads) that stages
+    /// each KV row once for both rows' heads (kernels/attention.cu: attention_rows): the default;
+    /// `DS4_CUDA_ATTN_CHUNK=1` keeps [`ATTN_CHUNK_KERNEL`] (and `=0` the block per (head, row)), to
+    /// measure.
+    fn attn_rows_kernel() -> bool {
+        std::env::var("DS4_CUDA_ATTN_CHUNK").map_or(true, |v| v != "0" && v != "1")
+    }
+    const ATTN_ROWS_KERNEL: &str = "attention_rows";
 
     /// The chunk build's indexer scores with a thread per few (token row, compressed row) pairs
     /// (kernels/indexer.cu: indexer_scores_chunk): the pairs a thread takes, token rows by
@@ -1627,6 +1635,16 @@ mod imp {
                         let a = bytemuck::try_pod_read_unaligned::<args::AttentionArgs>(bytemuck::cast_slice(&r.args))
                             .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
                         match attn_chunk_threads().filter(|_| a.head_dim <= 512) {
+                            // A block per (two rows, 16 heads): same bits, each KV row read once
+                            // for 32 (row, head) pairs (the row count in cond bits 50..62).
+                            Some(_) if attn_rows_kernel() && rows < 1 << 13 => {
+                                r.kernel = ATTN_ROWS_KERNEL;
+                                r.func = funcs.get(ATTN_ROWS_KERNEL)?;
+                                r.block = 256;
+                                r.grid = a.n_head.div_ceil(16);
+                                r.rows = rows.div_ceil(2);
+                                r.cond |= (rows as u64) << 50;
+                            }
                             // A block per (row, group of threads / 16 heads): same bits, each KV row
                             // read once per group instead of once per head.
                             Some(t) => {

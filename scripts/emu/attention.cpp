@@ -13,6 +13,7 @@ struct Config {
     u32 n_rot;  // 0: no fused inverse RoPE
     bool quant;  // the fused Q8_0 (head_dim a multiple of 32)
     u32 rows, active, pos0;
+    bool shuffled = false;  // odd rows' lists not ascending (attention takes any order)
 };
 
 static int run(const Config& c) {
@@ -36,6 +37,7 @@ static int run(const Config& c) {
         for (u32 i = 0; i + 1 < pick.size(); i++) std::swap(pick[i], pick[i + rnd() % (pick.size() - i)]);
         pick.resize(std::min<size_t>(pick.size(), c.top_k));
         std::sort(pick.begin(), pick.end());
+        if (c.shuffled && y % 2 && pick.size() > 1) std::swap(pick[0], pick[pick.size() - 1]);
         for (u32 i = 0; i < pick.size(); i++) SEL.row<int>(y)[i] = pick[i];
     }
     const size_t out_bytes = (size_t)nh * hd * 4, sc_bytes = (size_t)nh * max_rows * 4;
@@ -81,8 +83,14 @@ static int run(const Config& c) {
     {
         const AttentionArgs a = args(out_new, sc_new, xq_new, xd_new);
         const RowStrides R = strides(out_new, sc_new, xq_new, xd_new);
+#ifdef EMU_ATTN_ROWS
+        // As mod.rs launches it: row pairs along y, the row count in cond bits 50..62.
+        const u64 rcond = cond | (u64)c.rows << 50;
+        emu_launch({(nh + 15) / 16, (c.rows + 1) / 2, 1}, ATTN_ROWS_THREADS, [&] { attention_rows(P0, rcond, R, a); });
+#else
         emu_launch({(nh + ATTN_CHUNK_HEADS - 1) / ATTN_CHUNK_HEADS, c.rows, 1}, ATTN_CHUNK_THREADS,
                    [&] { attention_chunk(P0, cond, R, a); });
+#endif
     }
     int bad = 0;
     u32 nonzero = 0, n_rows_min = ~0u, n_rows_max = 0;
@@ -121,8 +129,15 @@ static int run(const Config& c) {
                 differ("Q8_0 scale of block", y, b, xd_old.row<float>(y) + b, xd_new.row<float>(y) + b, 4);
             }
     }
-    printf("%-34s heads %2u x %3u rows %u/%u at %u, visible %u..%u, %u threads: %s (%u of %u outputs finite, nonzero)\n",
-           c.what, nh, hd, c.active, c.rows, c.pos0, n_rows_min, n_rows_max, ATTN_CHUNK_THREADS,
+#ifdef EMU_ATTN_ROWS
+    const char* form = "attention_rows";
+    const u32 threads = ATTN_ROWS_THREADS;
+#else
+    const char* form = "attention_chunk";
+    const u32 threads = ATTN_CHUNK_THREADS;
+#endif
+    printf("%s %-36s heads %2u x %3u rows %u/%u at %u, visible %u..%u, %u threads: %s (%u of %u outputs finite, nonzero)\n",
+           form, c.what, nh, hd, c.active, c.rows, c.pos0, n_rows_min, n_rows_max, threads,
            bad ? "DIFFER" : "same bits", nonzero, c.active * nh * hd);
     return bad;
 }
@@ -140,6 +155,23 @@ int main(int argc, char** argv) {
         {"tiny heads, 33 row chunks", 3, 8, 1024, 1030, 2, 1200, 2000, false, 0, false, 3, 3, 2100},
         {"tiny heads, 33 chunks indexed", 2, 12, 1500, 1502, 2, 2000, 600, true, 4, false, 3, 3, 2400},
         {"head_dim 128, first tokens", 16, 128, 64, 70, 4, 16, 4, true, 64, true, 7, 7, 0},
+#ifdef EMU_ATTN_ROWS
+        // attention_rows shares a pair of token rows' KV rows: odd row counts (a lone last row),
+        // windows that wrap the ring inside the chunk, chunks of 1, 7, 64 and 256 (part active),
+        // with and without the indexer's lists, Flash heads and small ones, lists that are not
+        // ascending (each row alone) and universes past its table (each row alone).
+        {"flash heads, 9 rows wrap + indexer", 64, 512, 128, 136, 4, 80, 40, true, 64, true, 9, 9, 300},
+        {"flash heads, 2 rows ratio 128", 64, 512, 128, 136, 128, 32, 512, false, 64, true, 2, 2, 2052},
+        {"flash heads, 1 row indexer", 64, 512, 128, 136, 4, 600, 512, true, 64, true, 1, 1, 2100},
+        {"small heads, 64 rows wrap", 4, 32, 16, 80, 4, 40, 5, true, 8, true, 64, 64, 70},
+        {"small heads, 64 rows no indexer", 6, 48, 24, 90, 2, 64, 1000, false, 0, false, 64, 61, 41},
+        {"small heads, 256 rows partial", 3, 32, 20, 280, 4, 100, 12, true, 8, true, 256, 233, 100},
+        {"small heads, 256 rows ratio 8", 17, 16, 32, 300, 8, 64, 3, false, 4, false, 256, 256, 0},
+        {"dim 4, 7 rows", 2, 4, 8, 16, 2, 20, 3, true, 0, false, 7, 7, 9},
+        {"big universe: rows alone", 2, 8, 2000, 2010, 2, 1500, 3000, false, 0, false, 3, 3, 2500},
+        {"lists not ascending: rows alone", 5, 36, 16, 40, 2, 40, 6, true, 8, false, 7, 7, 23, true},
+        {"flash heads, 2 rows indexer 512", 64, 512, 128, 136, 4, 600, 512, true, 64, true, 2, 2, 2100},
+#endif
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     int bad = 0;
