@@ -1339,6 +1339,11 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_down_m
 #define MOE2_PRMT_LO 0xe719f808u
 #define MOE2_PRMT_HI 0x0000d52bu
 
+// 8 scale bytes of a Q2_K block's rest: two 4-byte loads, since the rests are 20 bytes apart
+// (an 8-byte load faults on every odd block).
+__device__ __forceinline__ uint2 moe2_scales8(const u8* p) {
+    return make_uint2(__ldg((const u32*)p), __ldg((const u32*)(p + 4)));
+}
 __device__ __forceinline__ void moe2_prefetch_l2(const void* p) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
@@ -1719,7 +1724,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_mma2
         }
         // Block 0's quants, the scales of chunk c, d and dmin, of rows g and g + 8.
         int4 qa = __ldg((const int4*)(wa.qs + 16 * t)), qb = __ldg((const int4*)(wb.qs + 16 * t));
-        uint2 sa = __ldg((const uint2*)(wa.rest + 8 * c)), sb = __ldg((const uint2*)(wb.rest + 8 * c));
+        uint2 sa = moe2_scales8(wa.rest + 8 * c), sb = moe2_scales8(wb.rest + 8 * c);
         u32 da = __ldg((const u32*)(wa.rest + Layout<10>::Q2K_D)), db = __ldg((const u32*)(wb.rest + Layout<10>::Q2K_D));
         float total[MOE2_TILES][4], pend[4][MOE2_TILES * 4];
 #pragma unroll
@@ -1761,8 +1766,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_mma2
                     const u8* rb = wb.rest + (u64)nbk * Layout<10>::RS;
                     qa = __ldg((const int4*)(wa.qs + (u64)nbk * 64 + 16 * t));
                     qb = __ldg((const int4*)(wb.qs + (u64)nbk * 64 + 16 * t));
-                    sa = __ldg((const uint2*)(ra + 8 * c));
-                    sb = __ldg((const uint2*)(rb + 8 * c));
+                    sa = moe2_scales8(ra + 8 * c);
+                    sb = moe2_scales8(rb + 8 * c);
                     da = __ldg((const u32*)(ra + Layout<10>::Q2K_D));
                     db = __ldg((const u32*)(rb + Layout<10>::Q2K_D));
                 }
