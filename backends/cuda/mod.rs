@@ -140,14 +140,17 @@ mod imp {
 
     /// Kernels of the chunk build that cover all the chunk's rows in one launch without
     /// `blockIdx.y`, finding each row's pointers through the strides (kernels/moe.cu: the routed
-    /// experts grouped by expert).
-    const ALL_ROWS_KERNELS: [&str; 6] = [
+    /// experts grouped by expert). A kernel missing here is launched over `blockIdx.y` 0..rows and
+    /// every row's blocks redo all of it (same writes: exact, but rows times slower).
+    const ALL_ROWS_KERNELS: [&str; 8] = [
         "moe_route",
         "moe_gate_up_grouped",
         "moe_gate_up_grouped_iq2_xxs",
         "moe_down_grouped",
         "moe_gate_up_mma_iq2_xxs",
         "moe_down_mma_q2_k",
+        "moe_gate_up_mma2_iq2_xxs",
+        "moe_down_mma2_q2_k",
     ];
 
     /// Token rows a warp of the chunk build's Q8_0 matvec covers: each weight block is loaded once
@@ -1440,9 +1443,9 @@ mod imp {
             // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row expert launches, to measure against.
             // `DS4_CUDA_MOE_MMA=0` keeps the grouped kernels on CUDA cores instead of the int8
             // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only). `=2` picks the
-            // second tensor-core kernels (`moe_*_mma2_*`): exact on the H200 but about 1,000x
-            // slower there (1.24 s a gate/up launch on flash-4l), cause not found yet, so not
-            // the default.
+            // second tensor-core kernels (`moe_*_mma2_*`), not the default until measured (they
+            // ran about 1,000x slower on the H200 while missing from `ALL_ROWS_KERNELS`: launched
+            // over every row as `blockIdx.y`, each row's blocks redid the whole chunk).
             let mma = std::env::var("DS4_CUDA_MOE_MMA").ok();
             let experts = if std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_ok() {
                 plan::ChunkExperts::PerRow
