@@ -138,20 +138,7 @@ mod imp {
     /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
     const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
 
-    /// Kernels of the chunk build that cover all the chunk's rows in one launch without
-    /// `blockIdx.y`, finding each row's pointers through the strides (kernels/moe.cu: the routed
-    /// experts grouped by expert). A kernel missing here is launched over `blockIdx.y` 0..rows and
-    /// every row's blocks redo all of it (same writes: exact, but rows times slower).
-    const ALL_ROWS_KERNELS: [&str; 8] = [
-        "moe_route",
-        "moe_gate_up_grouped",
-        "moe_gate_up_grouped_iq2_xxs",
-        "moe_down_grouped",
-        "moe_gate_up_mma_iq2_xxs",
-        "moe_down_mma_q2_k",
-        "moe_gate_up_mma2_iq2_xxs",
-        "moe_down_mma2_q2_k",
-    ];
+    use plan::ALL_ROWS_KERNELS;
 
     /// Token rows a warp of the chunk build's Q8_0 matvec covers: each weight block is loaded once
     /// for this many rows. `DS4_CUDA_TOKEN_ROWS` (1 to 32) overrides the default 8, to measure.

@@ -158,6 +158,22 @@ pub enum ChunkExperts {
     GroupedMma2,
 }
 
+/// Kernels of the chunk build that cover all the chunk's rows in one launch without
+/// `blockIdx.y`, finding each row's pointers through the strides (kernels/moe.cu: the routed
+/// experts grouped by expert). A kernel missing here is launched over `blockIdx.y` 0..rows and
+/// every row's blocks redo all of it (same writes: exact, but rows times slower); the plan tests
+/// check that every grouped expert kernel is listed.
+pub const ALL_ROWS_KERNELS: [&str; 8] = [
+    "moe_route",
+    "moe_gate_up_grouped",
+    "moe_gate_up_grouped_iq2_xxs",
+    "moe_down_grouped",
+    "moe_gate_up_mma_iq2_xxs",
+    "moe_down_mma_q2_k",
+    "moe_gate_up_mma2_iq2_xxs",
+    "moe_down_mma2_q2_k",
+];
+
 /// Mid rows per warp of `moe_gate_up_mma_iq2_xxs` and output rows per warp of `moe_down_mma_q2_k`
 /// (kernels/moe.cu: MOE_MMA_MID_ROWS, MOE_MMA_DOWN_ROWS); 8 warps a block.
 const MOE_MMA_MID_ROWS: usize = 8;
@@ -1663,6 +1679,9 @@ mod tests {
                 assert_eq!(seen, 2 * preset.n_layer, "{}", preset.name);
                 let kernels: Vec<&str> = mma.launches.iter().map(|l| l.kernel).collect();
                 let want = [MMA[0], gate_up, MMA[2], down, MMA[4]];
+                for k in [MMA[0], gate_up, down] {
+                    assert!(ALL_ROWS_KERNELS.contains(&k), "{k} covers every chunk row in one launch");
+                }
                 assert!(kernels.windows(5).any(|w| w == want), "{kernels:?}");
             }
             let decode = record_token(&model, Caps { ctx: 256 }).unwrap();
