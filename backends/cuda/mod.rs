@@ -138,7 +138,7 @@ mod imp {
     /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
     const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
 
-    use plan::ALL_ROWS_KERNELS;
+    use plan::{env_choice, env_is, ALL_ROWS_KERNELS};
 
     /// Token rows a warp of the chunk build's Q8_0 matvec covers: each weight block is loaded once
     /// for this many rows. `DS4_CUDA_TOKEN_ROWS` (1 to 32) overrides the default 8, to measure.
@@ -157,11 +157,10 @@ mod imp {
     /// 128 or 64 token rows per block) picks the shape, to measure.
     const Q8_TILE_KERNEL: &str = "mat_mul_q8_0_tile";
     fn q8_tile_wn() -> Option<u32> {
-        if std::env::var("DS4_CUDA_Q8_TILE").is_ok_and(|v| v == "0") {
+        if env_is("DS4_CUDA_Q8_TILE", "0") {
             return None;
         }
-        let n = std::env::var("DS4_CUDA_Q8_TILE_WN").ok().and_then(|v| v.parse::<u32>().ok());
-        Some(n.filter(|n| matches!(n, 2 | 4)).unwrap_or(4))
+        Some(env_choice("DS4_CUDA_Q8_TILE_WN", &[2, 4], 4))
     }
     /// Token rows per block of [`Q8_TILE_KERNEL`] (8 per tile, 4 tiles per warp, `wn` warps).
     fn q8_tile_tokens(wn: u32) -> u32 {
@@ -178,8 +177,7 @@ mod imp {
     /// Token rows per block of [`Q8_MMA_KERNEL`]: 8, 16 or 32 (`DS4_CUDA_MMA_TOKENS`, to measure).
     /// 16 measured best on the H200 (flash-4l chunk of 64: 3.09 ms against 3.83 for 32).
     fn q8_mma_tokens() -> u32 {
-        let n = std::env::var("DS4_CUDA_MMA_TOKENS").ok().and_then(|v| v.parse::<u32>().ok());
-        n.filter(|n| matches!(n, 8 | 16 | 32)).unwrap_or(16)
+        env_choice("DS4_CUDA_MMA_TOKENS", &[8, 16, 32], 16)
     }
 
     /// The chunk build's attention with a block per (token row, group of heads) that reads each
@@ -188,11 +186,10 @@ mod imp {
     /// 256 or 512) overrides it, and `DS4_CUDA_ATTN_CHUNK=0` keeps the block per (head, row), to
     /// measure.
     fn attn_chunk_threads() -> Option<u32> {
-        if std::env::var("DS4_CUDA_ATTN_CHUNK").is_ok_and(|v| v == "0") {
+        if env_is("DS4_CUDA_ATTN_CHUNK", "0") {
             return None;
         }
-        let n = std::env::var("DS4_CUDA_ATTN_CHUNK_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
-        Some(n.filter(|n| matches!(n, 128 | 256 | 512)).unwrap_or(256))
+        Some(env_choice("DS4_CUDA_ATTN_CHUNK_THREADS", &[128, 256, 512], 256))
     }
     const ATTN_CHUNK_KERNEL: &str = "attention_chunk";
     /// The chunk build's attention with a block per (pair of token rows, 16 heads) that stages
@@ -200,7 +197,7 @@ mod imp {
     /// `DS4_CUDA_ATTN_CHUNK=1` keeps [`ATTN_CHUNK_KERNEL`] (and `=0` the block per (head, row)), to
     /// measure.
     fn attn_rows_kernel() -> bool {
-        std::env::var("DS4_CUDA_ATTN_CHUNK").map_or(true, |v| v != "0" && v != "1")
+        !env_is("DS4_CUDA_ATTN_CHUNK", "0") && !env_is("DS4_CUDA_ATTN_CHUNK", "1")
     }
     const ATTN_ROWS_KERNEL: &str = "attention_rows";
 
@@ -210,7 +207,7 @@ mod imp {
     /// overrides it, and `DS4_CUDA_INDEXER_CHUNK=0` keeps the block per compressed row and token
     /// row, to measure.
     fn indexer_chunk_tile() -> Option<(u32, u32)> {
-        if std::env::var("DS4_CUDA_INDEXER_CHUNK").is_ok_and(|v| v == "0") {
+        if env_is("DS4_CUDA_INDEXER_CHUNK", "0") {
             return None;
         }
         let want = std::env::var("DS4_CUDA_INDEXER_TILE").ok().and_then(|v| {
@@ -229,7 +226,7 @@ mod imp {
     /// 128, at most 64 heads, a multiple of 4). `DS4_CUDA_INDEXER_DECODE=0` keeps the block per
     /// compressed row, to measure.
     fn indexer_one(r: &mut Resolved, funcs: &mut Functions) -> Result<(), BackendError> {
-        if r.kernel != "indexer_scores" || std::env::var("DS4_CUDA_INDEXER_DECODE").is_ok_and(|v| v == "0") {
+        if r.kernel != "indexer_scores" || env_is("DS4_CUDA_INDEXER_DECODE", "0") {
             return Ok(());
         }
         let a = bytemuck::try_pod_read_unaligned::<args::IndexerScoresArgs>(bytemuck::cast_slice(&r.args))
@@ -249,7 +246,7 @@ mod imp {
     /// each weight chunk (kernels/matvec.cu: mat_mul_f16, mat_mul_f16_split), in place of the
     /// per-row launches of the kernel each replaces. `DS4_CUDA_F16_CHUNK=0` keeps those, to measure.
     fn f16_chunk_kernel(kernel: &str) -> Option<&'static str> {
-        if std::env::var("DS4_CUDA_F16_CHUNK").is_ok_and(|v| v == "0") {
+        if env_is("DS4_CUDA_F16_CHUNK", "0") {
             return None;
         }
         match kernel {
@@ -265,7 +262,7 @@ mod imp {
     /// once for all of them), in place of mat_mul_f16 and mat_mul_f16_split (ungrouped matrices).
     /// `DS4_CUDA_F16_TILE=old` keeps those, to measure.
     fn f16_tile_kernel(kernel: &str) -> Option<&'static str> {
-        if std::env::var("DS4_CUDA_F16_TILE").is_ok_and(|v| v == "old") {
+        if env_is("DS4_CUDA_F16_TILE", "old") {
             return None;
         }
         match kernel {
@@ -294,7 +291,7 @@ mod imp {
     /// hc_pre_tail): the control projection of all token rows as one tile product instead of a
     /// weight read per token row. `DS4_CUDA_HC_PRE_CHUNK=0` keeps the per-row hc_pre, to measure.
     fn hc_pre_chunk() -> bool {
-        !std::env::var("DS4_CUDA_HC_PRE_CHUNK").is_ok_and(|v| v == "0")
+        !env_is("DS4_CUDA_HC_PRE_CHUNK", "0")
     }
 
     /// Whether a chunk's compressor row loop runs as `compressor_update_chunk` (kernels/fused.cu:
@@ -302,7 +299,7 @@ mod imp {
     /// looping over the rows (`compressor_update`). `DS4_CUDA_COMP_CHUNK=0` keeps the loop, to
     /// measure.
     fn comp_chunk() -> bool {
-        !std::env::var("DS4_CUDA_COMP_CHUNK").is_ok_and(|v| v == "0")
+        !env_is("DS4_CUDA_COMP_CHUNK", "0")
     }
     const COMP_CHUNK_KERNEL: &str = "compressor_update_chunk";
     /// The kernel's block size and its shared arrays' bounds (COMP_CHUNK_THREADS,
@@ -1284,15 +1281,14 @@ mod imp {
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
             let sample_fn = module.load_function("sample_token").map_err(drv("kernel 'sample_token' is missing"))?;
             let sampled = stream.alloc_zeros::<u32>(1).map_err(drv("cannot allocate the sampled token"))?;
-            let branches =
-                if launches.iter().any(|l| l.side) && std::env::var("DS4_CUDA_BRANCHES").map_or(true, |v| v != "0") {
-                    let side = ctx.new_stream().map_err(drv("cannot create a stream"))?;
-                    let fork = ctx.new_event(None).map_err(drv("cannot create an event"))?;
-                    let join = ctx.new_event(None).map_err(drv("cannot create an event"))?;
-                    Some((side, fork, join))
-                } else {
-                    None
-                };
+            let branches = if launches.iter().any(|l| l.side) && !env_is("DS4_CUDA_BRANCHES", "0") {
+                let side = ctx.new_stream().map_err(drv("cannot create a stream"))?;
+                let fork = ctx.new_event(None).map_err(drv("cannot create an event"))?;
+                let join = ctx.new_event(None).map_err(drv("cannot create an event"))?;
+                Some((side, fork, join))
+            } else {
+                None
+            };
 
             let mut exe = CudaExecutable {
                 program,
@@ -1316,7 +1312,7 @@ mod imp {
                 warnings: Vec::new(),
                 tokens: 0,
                 inject: None,
-                pdl: major >= 9 && std::env::var("DS4_CUDA_PDL").map_or(true, |v| v != "0"),
+                pdl: major >= 9 && !env_is("DS4_CUDA_PDL", "0"),
                 sample_fn,
                 sampled,
                 branches,

@@ -115,18 +115,27 @@ const SPLIT_K_ROWS: usize = 2048;
 pub const ATTN_SPLIT_HEADS: u32 = 16;
 pub const ATTN_SCORE_THREADS: u32 = 256;
 
+/// Whether the measuring switch `name` (an environment variable) is set to `value`.
+pub fn env_is(name: &str, value: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == value)
+}
+
+/// The measuring switch `name` when it is one of `allowed`, else `default`.
+pub fn env_choice(name: &str, allowed: &[u32], default: u32) -> u32 {
+    let n = std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+    n.filter(|n| allowed.contains(n)).unwrap_or(default)
+}
+
 /// Rows per scores block of the split decode attention: 16, or 8 with
 /// `DS4_CUDA_ATTN_SCORE_ROWS=8` (twice the blocks), to measure.
 pub fn attn_score_rows() -> u32 {
-    let n = std::env::var("DS4_CUDA_ATTN_SCORE_ROWS").ok().and_then(|v| v.parse::<u32>().ok());
-    n.filter(|n| matches!(n, 8 | 16)).unwrap_or(16)
+    env_choice("DS4_CUDA_ATTN_SCORE_ROWS", &[8, 16], 16)
 }
 
 /// Dims (threads) per weighted-sum block of the split decode attention: 128, or 64 or 256 with
 /// `DS4_CUDA_ATTN_SUM_THREADS`, to measure.
 pub fn attn_sum_threads() -> u32 {
-    let n = std::env::var("DS4_CUDA_ATTN_SUM_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
-    n.filter(|n| matches!(n, 64 | 128 | 256)).unwrap_or(128)
+    env_choice("DS4_CUDA_ATTN_SUM_THREADS", &[64, 128, 256], 128)
 }
 
 /// Set on every launch of a chunk program: the kernel skips a row whose StepParams count is 0 (a
@@ -1386,7 +1395,7 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 /// attention_scores, attention_partial, attention_combine); `DS4_CUDA_ATTN_DECODE=0` keeps the
 /// block per head (`attention`), to compare.
 fn split_attention() -> bool {
-    std::env::var("DS4_CUDA_ATTN_DECODE").map_or(true, |v| v != "0")
+    !env_is("DS4_CUDA_ATTN_DECODE", "0")
 }
 
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
