@@ -924,7 +924,18 @@ mod imp {
         /// earlier profile charged shaders with their predecessors' time), so a dispatch's time
         /// counts from the later of its own start and the previous pass's end: the times add up
         /// to the span of the token.
+        ///
+        /// `DS4_WGPU_PROFILE_REPEAT=N` (2..=100) runs each dispatch N times inside its pass and
+        /// charges it 1/N of the pass: the per-pass cost, which the single-dispatch passes add to
+        /// every shader, is then spread over N dispatches. The repeats write the token's buffers
+        /// again (an in-place add adds N times), so the state after such a profile is not a
+        /// token's: it is for timing only.
         fn profile_timestamps(&self) -> Result<Vec<(String, f64)>, BackendError> {
+            let repeat = std::env::var("DS4_WGPU_PROFILE_REPEAT")
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|r| (2..=100).contains(r))
+                .unwrap_or(1);
             let n = self.dispatches.len() as u32;
             let qs = self.device.create_query_set(&wgpu::QuerySetDescriptor {
                 label: Some("profile"),
@@ -949,7 +960,9 @@ mod imp {
                     enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(tw) });
                 pass.set_pipeline(&self.pipelines[d.pipeline]);
                 pass.set_bind_group(0, &d.bind_group, &[]);
-                pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                for _ in 0..repeat {
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                }
             }
             enc.resolve_query_set(&qs, 0..2 * n, &resolve, 0);
             self.queue.submit([enc.finish()]);
@@ -962,7 +975,8 @@ mod imp {
                 .enumerate()
                 .map(|(i, d)| {
                     let start = if i > 0 { ticks[2 * i].max(ticks[2 * i - 1]) } else { ticks[0] };
-                    (d.entry.to_string(), ticks[2 * i + 1].saturating_sub(start) as f64 * period / 1e3)
+                    let us = ticks[2 * i + 1].saturating_sub(start) as f64 * period / 1e3;
+                    (d.entry.to_string(), us / repeat as f64)
                 })
                 .collect())
         }
