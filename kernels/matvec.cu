@@ -284,6 +284,12 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
 #ifndef Q8T_WN
 #define Q8T_WN 4
 #endif
+// Blocks per SM the registers are capped for (launch bounds): 1 for the 512-thread shape; the
+// 256-thread shape of 64 x 32 (Q8T_NT 2, Q8T_WN 2, DS4_CUDA_Q8_TILE=new) asks for 2, which its
+// ~91 KB of shared memory allows, so one block's barriers and prologue overlap the other's math.
+#ifndef Q8T_MIN_BLOCKS
+#define Q8T_MIN_BLOCKS 1
+#endif
 #define Q8T_WM 4
 #define Q8T_BM (16 * Q8T_WM)
 #define Q8T_BN (8 * Q8T_NT * Q8T_WN)
@@ -420,7 +426,7 @@ __device__ __forceinline__ void q8t_step(const u8* qa, const u8* qb, const float
     }
 }
 
-extern "C" __global__ void __launch_bounds__(Q8T_THREADS, 1) mat_mul_q8_0_tile(DS4_ARGS, MatVecQ80Args a) {
+extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mul_q8_0_tile(DS4_ARGS, MatVecQ80Args a) {
     extern __shared__ __align__(16) u8 q8t_smem[];
     float* const wss = (float*)(q8t_smem + Q8T_WS_OFF);
     float* const dxs = (float*)(q8t_smem + Q8T_DX_OFF);

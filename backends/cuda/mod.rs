@@ -152,26 +152,47 @@ mod imp {
     const Q8_MMA_ROWS_PER_BLOCK: u32 = 64;
 
     /// The chunk build's Q8_0 product in big tiles (kernels/matvec.cu, split layout only): 4 x
-    /// `wn` warps per block, 64 matrix rows x 32 `wn` token rows, stages in dynamic shared memory.
-    /// It replaces [`Q8_MMA_KERNEL`] unless `DS4_CUDA_Q8_TILE=0`; `DS4_CUDA_Q8_TILE_WN` (4 or 2:
-    /// 128 or 64 token rows per block) picks the shape, to measure.
+    /// `wn` warps per block, each 16 matrix rows x `nt` tiles of 8 token rows, so 64 matrix rows
+    /// x 8 `nt` `wn` token rows a block, stages in dynamic shared memory. It replaces
+    /// [`Q8_MMA_KERNEL`] unless `DS4_CUDA_Q8_TILE=0`; `DS4_CUDA_Q8_TILE_WN` (4 or 2: 128 or 64
+    /// token rows per block) picks the shape, to measure; `DS4_CUDA_Q8_TILE=new` the 256-thread
+    /// shape of 64 x 32 that fits 2 blocks per SM (registers capped at 128, ~91 KB of shared
+    /// memory), to measure.
     const Q8_TILE_KERNEL: &str = "mat_mul_q8_0_tile";
-    fn q8_tile_wn() -> Option<u32> {
+    #[derive(Clone, Copy)]
+    struct Q8Tile {
+        /// Warps along the token rows (Q8T_WN).
+        wn: u32,
+        /// Tiles of 8 token rows per warp (Q8T_NT).
+        nt: u32,
+        /// Blocks per SM the kernel's registers are capped for (Q8T_MIN_BLOCKS).
+        min_blocks: u32,
+    }
+    impl Q8Tile {
+        /// Token rows per block.
+        fn tokens(self) -> u32 {
+            8 * self.nt * self.wn
+        }
+        fn threads(self) -> u32 {
+            128 * self.wn
+        }
+        /// Its dynamic shared memory, as kernels/matvec.cu lays it out (Q8T_SMEM): two steps'
+        /// staged rows of 272 bytes (64 weight rows and the token rows), two chunks' weight and
+        /// token scales (floats), each thread's 4 `nt` totals and 4 `nt` half-chunk sums, the
+        /// active token bits.
+        fn smem(self) -> u32 {
+            let (bm, bn, threads) = (Q8_MMA_ROWS_PER_BLOCK, self.tokens(), self.threads());
+            2 * (bm + bn) * 272 + 2 * 32 * bm * 4 + 2 * 32 * bn * 4 + 2 * 4 * self.nt * threads * 4 + bn / 8
+        }
+    }
+    fn q8_tile() -> Option<Q8Tile> {
         if env_is("DS4_CUDA_Q8_TILE", "0") {
             return None;
         }
-        Some(env_choice("DS4_CUDA_Q8_TILE_WN", &[2, 4], 4))
-    }
-    /// Token rows per block of [`Q8_TILE_KERNEL`] (8 per tile, 4 tiles per warp, `wn` warps).
-    fn q8_tile_tokens(wn: u32) -> u32 {
-        32 * wn
-    }
-    /// Its dynamic shared memory, as kernels/matvec.cu lays it out (Q8T_SMEM): two steps' staged
-    /// rows of 272 bytes (64 weight rows and the token rows), two chunks' weight and token scales
-    /// (floats), each thread's 16 totals and 16 half-chunk sums, the active token bits.
-    fn q8_tile_smem(wn: u32) -> u32 {
-        let (bm, bn, threads) = (Q8_MMA_ROWS_PER_BLOCK, q8_tile_tokens(wn), 128 * wn);
-        2 * (bm + bn) * 272 + 2 * 32 * bm * 4 + 2 * 32 * bn * 4 + 2 * 16 * threads * 4 + bn / 8
+        if env_is("DS4_CUDA_Q8_TILE", "new") {
+            return Some(Q8Tile { wn: 2, nt: 2, min_blocks: 2 });
+        }
+        Some(Q8Tile { wn: env_choice("DS4_CUDA_Q8_TILE_WN", &[2, 4], 4), nt: 4, min_blocks: 1 })
     }
 
     /// Token rows per block of [`Q8_MMA_KERNEL`]: 8, 16 or 32 (`DS4_CUDA_MMA_TOKENS`, to measure).
@@ -318,7 +339,7 @@ mod imp {
             }
             a / x * b
         };
-        let tile = q8_tile_wn().map_or(1, q8_tile_tokens);
+        let tile = q8_tile().map_or(1, Q8Tile::tokens);
         rows.next_multiple_of(lcm(lcm(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS), F16T_TOKENS), tile))
     }
 
@@ -343,12 +364,15 @@ mod imp {
         let token_rows = match rows {
             KernelRows::Chunk => {
                 let (mt, mc) = indexer_chunk_tile().unwrap_or((2, 4));
+                let tile = q8_tile().unwrap_or(Q8Tile { wn: 4, nt: 4, min_blocks: 1 });
                 format!(
-                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define Q8T_WN {}\n#define ATTN_CHUNK_THREADS {}\n\
-                     #define IDX_MT {mt}\n#define IDX_MC {mc}\n",
+                    "#define Q8_TOKEN_ROWS {}\n#define Q8_MMA_TOKENS {}\n#define Q8T_WN {}\n#define Q8T_NT {}\n\
+                     #define Q8T_MIN_BLOCKS {}\n#define ATTN_CHUNK_THREADS {}\n#define IDX_MT {mt}\n#define IDX_MC {mc}\n",
                     q8_token_rows(),
                     q8_mma_tokens(),
-                    q8_tile_wn().unwrap_or(4),
+                    tile.wn,
+                    tile.nt,
+                    tile.min_blocks,
                     attn_chunk_threads().unwrap_or(256)
                 )
             }
@@ -1519,12 +1543,12 @@ mod imp {
                             && (!grouped || (m.rows_per_group.is_multiple_of(Q8_MMA_ROWS_PER_BLOCK) && m.rows2 == 0));
                         if fits {
                             let mut r = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(1))?;
-                            if let Some(wn) = q8_tile_wn() {
+                            if let Some(tile) = q8_tile() {
                                 r.kernel = Q8_TILE_KERNEL;
                                 r.func = funcs.get(Q8_TILE_KERNEL)?;
-                                r.block = 128 * wn;
-                                r.grid = rows.div_ceil(q8_tile_tokens(wn));
-                                r.smem = q8_tile_smem(wn);
+                                r.block = tile.threads();
+                                r.grid = rows.div_ceil(tile.tokens());
+                                r.smem = tile.smem();
                                 // Over 48 KiB of dynamic shared memory needs the kernel's opt-in.
                                 r.func
                                     .set_attribute(
@@ -1532,6 +1556,16 @@ mod imp {
                                         r.smem as i32,
                                     )
                                     .map_err(drv(&format!("{Q8_TILE_KERNEL}: {} bytes of shared memory", r.smem)))?;
+                                // Several blocks per SM need the shared memory carveout at its
+                                // largest (the default is only a hint, which may leave room for one).
+                                if tile.min_blocks > 1 {
+                                    r.func
+                                        .set_attribute(
+                                            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                            100,
+                                        )
+                                        .map_err(drv(&format!("{Q8_TILE_KERNEL}: shared memory carveout")))?;
+                                }
                             } else {
                                 r.kernel = Q8_MMA_KERNEL;
                                 r.func = funcs.get(Q8_MMA_KERNEL)?;
