@@ -714,6 +714,416 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
 }
 #endif
 
+#if DS4_CHUNK_ROWS
+// attention_rows with two blocks per SM (mod.rs picks it with DS4_CUDA_ATTN_ROWS=new): the same
+// blocks, universe, warps' roles and float order as attention_rows, so every (row, head) gets
+// `attention`'s bits; what differs is where values live:
+//   - the weighted sum's running totals (acc, 64 floats a thread) live in shared memory, read
+//     and written only at a chunk's end, so a thread needs <= 128 registers (231 before) and
+//     two blocks of 256 threads share an SM;
+//   - the KV tiles are copied by cp.async into two buffers (the next tile's copies run during
+//     the current tile's math), one barrier a tile instead of two, no staging registers;
+//   - a KV row's address is found without a division (the ring wraps at most once: the
+//     universe's raw rows are at most raw_cap, else the rows run alone), and a thread copies
+//     the same float4 of its rows every tile.
+// Dynamic shared memory, ATTN_R2_SMEM bytes (mod.rs: attn_rows2_smem), in floats:
+//   [0, 8192)         two KV tiles of ATTN_ROWS_TILE rows x 512
+//   [8192, 24576)     acc [16 float4][256 threads]; before the weighted sum: the softmax's
+//                     buffers (8 warps x 1024); during the scores, the level-one sums (8
+//                     warps x ATTN_ROWS_TILE x ATTN_R2_PROW) at 8192 floats in
+//   [24576, 25088)    the weights of two tiles [tile][row][token row][head]
+//   [25088, 28160)    vis, u16 [2][ATTN_ROWS_VIS]
+//   [28160, 28192)    1 / denom [token row][head]; then the shared flag
+#define ATTN_R2_TILES 0
+#define ATTN_R2_ACC (2 * ATTN_ROWS_TILE * 512)
+#define ATTN_R2_PART (ATTN_R2_ACC + 8 * 1024)
+#define ATTN_R2_WT (ATTN_R2_ACC + 16 * 4 * ATTN_ROWS_THREADS)
+#define ATTN_R2_VIS (ATTN_R2_WT + 2 * ATTN_ROWS_TILE * 2 * ATTN_ROWS_HEADS)
+#define ATTN_R2_INV (ATTN_R2_VIS + ATTN_ROWS_VIS)
+#define ATTN_R2_FLAG (ATTN_R2_INV + 2 * ATTN_ROWS_HEADS)
+#define ATTN_R2_SMEM (4 * (ATTN_R2_FLAG + 4))
+static_assert(ATTN_ROWS_TILE == 8 && ATTN_ROWS_THREADS == 256, "the layout above; a warp per tile row");
+// A tile row's level-one sums [lane][head] padded to 68 floats, so that the butterfly's lanes
+// (tile row, head) read distinct banks and the row's float4s stay 16-byte aligned.
+#define ATTN_R2_PROW 68
+static_assert(8 * ATTN_ROWS_TILE * ATTN_R2_PROW <= 8 * 1024, "the level-one sums fit beside the softmax buffers");
+
+// 16 bytes from global to shared memory without registers (kernels/matvec.cu's cp_async16).
+__device__ __forceinline__ void attn_cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void attn_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_rows2(DS4_ARGS, AttentionArgs a0) {
+    ds4_wait_predecessor();
+    extern __shared__ __align__(16) float attn_r2_smem[];
+#if __CUDA_ARCH__
+    // The host sizes the dynamic shared memory (mod.rs: attn_rows2_smem); a smaller one is a bug.
+    u32 smem_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    if (smem_bytes < ATTN_R2_SMEM) __trap();
+#endif
+    float* const tiles = attn_r2_smem + ATTN_R2_TILES;
+    float4* const acc_sh = (float4*)(attn_r2_smem + ATTN_R2_ACC);
+    float* const part = attn_r2_smem + ATTN_R2_PART;
+    float* const wt = attn_r2_smem + ATTN_R2_WT;
+    u16* const vis = (u16*)(attn_r2_smem + ATTN_R2_VIS);
+    float* const inv_sh = attn_r2_smem + ATTN_R2_INV;
+    u32* const flag_sh = (u32*)(attn_r2_smem + ATTN_R2_FLAG);
+    const u32 rows = (u32)(cond >> 50) & 0x1fff;
+    const u32 head_dim = a0.head_dim;
+    const u32 h0 = blockIdx.x * ATTN_ROWS_HEADS, n_group = min((u32)ATTN_ROWS_HEADS, a0.n_head - h0);
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    AttnRowsY Y[2];
+#pragma unroll
+    for (u32 i = 0; i < 2; i++) {
+        const u32 y = blockIdx.y * 2 + i;
+        AttnRowsY& v = Y[i];
+        v.a = a0;
+        ds4_row(v.a, R, y);
+        v.on = y < rows && ds4_cond(P + y, cond);
+        v.pos = v.on ? P[y].pos : 0;
+        v.n_raw = v.on ? ds4_raw_rows(P + y, a0.window, a0.raw_cap) : 0;
+        v.n_comp = v.on ? ds4_comp_rows(P + y, a0.ratio, a0.comp_cap) : 0;
+        v.indexed = a0.selected != 0 && v.n_comp > a0.top_k;
+        v.n_rows = v.n_raw + (v.indexed ? a0.top_k : v.n_comp);
+        v.first = v.pos + 1 - v.n_raw;
+    }
+    if (!Y[0].on && !Y[1].on) return;
+
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The tiles' dims past head_dim stay +0 for the scores (the copies write the first head_dim).
+    for (u32 f = tid; f < 2 * ATTN_ROWS_TILE * 128; f += ATTN_ROWS_THREADS) *(float4*)(tiles + 4 * f) = zero4;
+    // The shared universe when both rows run: raw positions lo..hi, then compressed rows 0..n_comp.
+    // Its raw rows are at most raw_cap, so that their ring indices wrap at most once.
+    const u32 lo = min(Y[0].first, Y[1].first), hi = max(Y[0].pos, Y[1].pos);
+    const u32 u_raw = hi + 1 - lo, u_all = u_raw + max(Y[0].n_comp, Y[1].n_comp);
+    bool shared = Y[0].on && Y[1].on && hi - lo < ATTN_ROWS_VIS && u_all <= ATTN_ROWS_VIS && u_raw <= a0.raw_cap;
+    if (shared) {
+        for (u32 u = tid; u < u_all; u += ATTN_ROWS_THREADS)
+#pragma unroll
+            for (u32 i = 0; i < 2; i++) {
+                const AttnRowsY& v = Y[i];
+                u32 r = ATTN_ROWS_NONE;
+                if (u < u_raw) {
+                    const u32 p = lo + u;
+                    if (p >= v.first && p <= v.pos) r = p - v.first;
+                } else if (!v.indexed && u - u_raw < v.n_comp) {
+                    r = v.n_raw + (u - u_raw);
+                }
+                vis[i * ATTN_ROWS_VIS + u] = (u16)r;
+            }
+        if (tid == 0) *flag_sh = 0;
+        __syncthreads();
+#pragma unroll
+        for (u32 i = 0; i < 2; i++) {
+            const AttnRowsY& v = Y[i];
+            if (!v.indexed) continue;
+            for (u32 e = tid; e < a0.top_k; e += ATTN_ROWS_THREADS) {
+                const int c = v.a.selected[e];
+                const bool ok = c >= 0 && (u32)c < v.n_comp && (e == 0 || v.a.selected[e - 1] < c);
+                if (ok)
+                    vis[i * ATTN_ROWS_VIS + u_raw + c] = (u16)(v.n_raw + e);
+                else
+                    *flag_sh = 1;
+            }
+        }
+        __syncthreads();
+        shared = *flag_sh == 0;
+    }
+
+    // Pass 0 is the shared universe, or token row 0 alone; pass 1 token row 1 alone.
+    for (u32 pass = 0; pass < 2; pass++) {
+        if (shared && pass == 1) break;
+        // single 2: the shared universe; 0 or 1: that token row alone, its own rows in order
+        // (universe row u = its row u).
+        const u32 single = shared ? 2 : pass;
+        if (single < 2 && !Y[single].on) continue;
+        const AttnRowsY& yo = single == 1 ? Y[1] : Y[0];
+        const u32 n_univ = single < 2 ? yo.n_rows : u_all;
+        auto mine = [&](u32 i) { return single < 2 ? i == single : (i ? Y[1].on : Y[0].on); };
+        auto visof = [&](u32 i, u32 u) -> u32 {
+            if (single < 2) return i == single ? u : ATTN_ROWS_NONE;
+            return vis[i * ATTN_ROWS_VIS + u];
+        };
+        // visof(si, u) for this warp's token row si (below).
+        const u16* const vis_si = vis + (warp >> 2) * ATTN_ROWS_VIS;
+        const bool single_si = single < 2, mine_si = (warp >> 2) == single;
+        auto visof_si = [&](u32 u) -> u32 {
+            if (single_si) return mine_si ? u : ATTN_ROWS_NONE;
+            return vis_si[u];
+        };
+        // Universe row u's address: the first nr rows are raw rows from ring index ring0 on
+        // (wrapping at most once), then compressed rows (through `sel` when the row alone is
+        // indexed).
+        const u32 nr = single < 2 ? yo.n_raw : u_raw;
+        const u32 ring0 = (single < 2 ? yo.first : lo) % a0.raw_cap;
+        const int* const sel = single < 2 && yo.indexed ? yo.a.selected : nullptr;
+        auto kv_row = [&](u32 u) -> const float* {
+            const bool raw = u < nr;
+            u32 i = raw ? ring0 + u : u - nr;
+            if (raw && i >= a0.raw_cap) i -= a0.raw_cap;
+            if (!raw && sel) i = (u32)sel[i];
+            // A selected index is a non-negative int (the shared universe checks it; the row
+            // alone reads it as `attention` does).
+            return (raw ? a0.raw : a0.comp) + (u64)i * head_dim;
+        };
+        // Warp w copies tile row w: lane l the float4s l, l + 32, l + 64, l + 96 (one address a
+        // tile per thread).
+        auto issue_tile = [&](u32 t0, u32 b) {
+            if (t0 + warp >= n_univ) return;
+            const float* const src = kv_row(t0 + warp) + 4 * lane;
+            float* const dst = tiles + (b * ATTN_ROWS_TILE + warp) * 512 + 4 * lane;
+#pragma unroll
+            for (u32 k = 0; k < 4; k++)
+                if (4 * lane + 128 * k < head_dim) attn_cp_async16(dst + 128 * k, src + 128 * k);
+        };
+        // The previous pass's last reads of the tiles and acc are done.
+        __syncthreads();
+
+        // Scores: this warp's token row and 4 heads.
+        const u32 si = warp >> 2, hq0 = (warp & 3) * 4;
+        const AttnRowsY& ys = si ? Y[1] : Y[0];
+        const bool on = mine(si);
+        float4 q[4][4];
+#pragma unroll
+        for (u32 k = 0; k < 4; k++)
+#pragma unroll
+            for (u32 u = 0; u < 4; u++) {
+                const u32 d = u * 128 + lane * 4;
+                q[k][u] = zero4;
+                if (on && d < head_dim && hq0 + k < n_group)
+                    q[k][u] = *(const float4*)(ys.a.q + (u64)(h0 + hq0 + k) * head_dim + d);
+            }
+        float* const wpart = part + warp * ATTN_ROWS_TILE * ATTN_R2_PROW;
+        issue_tile(0, 0);
+        for (u32 t0 = 0, it = 0; t0 < n_univ; t0 += ATTN_ROWS_TILE, it++) {
+            // This tile's copies are done (each thread's own), then everyone's; the other buffer
+            // is free (its tile's math is done).
+            attn_cp_async_wait();
+            __syncthreads();
+            if (t0 + ATTN_ROWS_TILE < n_univ) issue_tile(t0 + ATTN_ROWS_TILE, (it + 1) & 1);
+            if (!on) continue;
+            const float* kr = tiles + (it & 1) * ATTN_ROWS_TILE * 512 + lane * 4;
+            float* pw = wpart + lane * 4;
+            const u32 nj = min((u32)ATTN_ROWS_TILE, n_univ - t0);
+            for (u32 jj = 0; jj < nj; jj++, kr += 512, pw += ATTN_R2_PROW) {
+                if (visof_si(t0 + jj) == ATTN_ROWS_NONE) continue;
+                // Dims past head_dim hold +0 in q and in the tile: their products and sums are
+                // +0, as the lane sums that skip them (no branch per float4).
+                float acc[4];
+                const float4 y0 = *(const float4*)kr;
+#pragma unroll
+                for (u32 k = 0; k < 4; k++) {
+                    // The lane's first product enters without `0 +` (attention_rows).
+                    acc[k] = q[k][0].x * y0.x;
+                    acc[k] += q[k][0].y * y0.y;
+                    acc[k] += q[k][0].z * y0.z;
+                    acc[k] += q[k][0].w * y0.w;
+                }
+#pragma unroll
+                for (u32 u = 1; u < 4; u++) {
+                    const float4 y = *(const float4*)(kr + u * 128);
+#pragma unroll
+                    for (u32 k = 0; k < 4; k++) {
+                        acc[k] += q[k][u].x * y.x;
+                        acc[k] += q[k][u].y * y.y;
+                        acc[k] += q[k][u].z * y.z;
+                        acc[k] += q[k][u].w * y.w;
+                    }
+                }
+                float4 s1;
+                s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
+                s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
+                s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
+                s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+                if (lane < 16) *(float4*)pw = s1;
+            }
+            __syncwarp();
+            // Lane (tile row lane / 4, head lane % 4): the butterfly's levels 8, 4, 2, 1 of the
+            // level-one sums of lanes 0..15.
+            const u32 mj = lane >> 2, mk = lane & 3;
+            if (mj < nj && hq0 + mk < n_group) {
+                const u32 r = visof_si(t0 + mj);
+                if (r != ATTN_ROWS_NONE) {
+                    const float* const pp = wpart + mj * ATTN_R2_PROW + mk;
+                    float s[16];
+#pragma unroll
+                    for (u32 l = 0; l < 16; l++) s[l] = pp[l * 4];
+#pragma unroll
+                    for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
+#pragma unroll
+                    for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
+#pragma unroll
+                    for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
+                    float d = 0.0f;
+                    d += s[0] + s[1];
+                    ys.a.scores[(u64)(h0 + hq0 + mk) * a0.max_rows + r] = d * a0.kq_scale;
+                }
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+        // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3, as
+        // attention_rows (its buffer in the acc area).
+        const u32 n_chunks = (ys.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+        float* const wbuf = attn_r2_smem + ATTN_R2_ACC + warp * 1024;
+        const bool inbuf = ys.n_rows + n_chunks <= 1024;
+        for (u32 k = 0; k < 4; k++) {
+            const u32 hh = hq0 + k;
+            if (!on || hh >= n_group) break;
+            float* sc = ys.a.scores + (u64)(h0 + hh) * a0.max_rows;
+            const float sink = a0.sinks[h0 + hh];
+            float m = sink;
+            for (u32 r = lane; r < ys.n_rows; r += 32) m = fmaxf(m, sc[r]);
+            m = warp_max(m);
+            for (u32 r = lane; r < ys.n_rows; r += 32) {
+                const float e = ds4_expf(sc[r] - m);
+                sc[r] = e;
+                if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
+            }
+            __syncwarp();
+            // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
+            // sums in order.
+            float denom = ds4_expf(sink - m);
+            for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
+                const u32 c = c0 + lane;
+                float s = 0.0f;
+                if (c < n_chunks) {
+                    const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, ys.n_rows);
+                    for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
+                }
+                for (u32 l = 0; l < 32; l++) {
+                    const float cs = __shfl_sync(0xffffffffu, s, l);
+                    if (c0 + l < n_chunks) denom += cs;
+                }
+            }
+            if (lane == 0) inv_sh[si * ATTN_ROWS_HEADS + hh] = 1.0f / denom;
+            __syncwarp();
+        }
+        __syncthreads();
+
+        // Weighted sum: thread (token row tid / 128, heads 8 oct .. + 7, dims 4 dq .. + 3 and
+        // 256 + 4 dq .. + 3); the same token row as the warp's scores. Its totals acc[k][hf] in
+        // shared memory at acc_sh[(2 k + hf) * 256 + tid], from +0.
+        const u32 oct = (tid >> 6) & 1, dq = tid & 63;
+#pragma unroll
+        for (u32 s = 0; s < 16; s++) acc_sh[s * ATTN_ROWS_THREADS + tid] = zero4;
+        // Staging the weights: thread (tile row, token row, head).
+        const u32 wj = tid >> 5, wi = (tid >> 4) & 1, wh = tid & 15;
+        const float* wsc = (wi ? Y[1].a.scores : Y[0].a.scores) + (u64)(h0 + wh) * a0.max_rows;
+        float wpf = 0.0f;
+        auto load_weight = [&](u32 t0) {
+            wpf = 0.0f;
+            if (t0 + wj < n_univ && mine(wi) && wh < n_group) {
+                const u32 r = visof(wi, t0 + wj);
+                if (r != ATTN_ROWS_NONE) wpf = wsc[r];
+            }
+        };
+        float4 p[8][2];
+#pragma unroll
+        for (u32 k = 0; k < 8; k++) p[k][0] = p[k][1] = zero4;
+        // This thread's float4s of a tile row (dims 4 dq.., 256 + 4 dq..), its token row's
+        // weights of its heads, its totals.
+        const float* const vbase = tiles + 4 * dq;
+        const float* const wbase = wt + si * ATTN_ROWS_HEADS + 8 * oct;
+        float4* const accp = acc_sh + tid;
+        issue_tile(0, 0);
+        load_weight(0);
+        for (u32 t0 = 0, it = 0; t0 < n_univ; t0 += ATTN_ROWS_TILE, it++) {
+            const u32 b = it & 1;
+            attn_cp_async_wait();
+            wt[b * ATTN_ROWS_TILE * 2 * ATTN_ROWS_HEADS + tid] = wpf;
+            __syncthreads();
+            if (t0 + ATTN_ROWS_TILE < n_univ) {
+                issue_tile(t0 + ATTN_ROWS_TILE, b ^ 1);
+                load_weight(t0 + ATTN_ROWS_TILE);
+            }
+            if (!on) continue;
+            const float* vr = vbase + b * ATTN_ROWS_TILE * 512;
+            const float* wr = wbase + b * ATTN_ROWS_TILE * 2 * ATTN_ROWS_HEADS;
+            const u32 nj = min((u32)ATTN_ROWS_TILE, n_univ - t0);
+            for (u32 j = 0; j < nj; j++, vr += 512, wr += 2 * ATTN_ROWS_HEADS) {
+                const u32 r = visof_si(t0 + j);
+                if (r == ATTN_ROWS_NONE) continue;
+                if (r > 0 && r % DS4_ATTN_ROW_CHUNK == 0) {
+                    // A chunk of this token row's rows ends: its sums join the total in order.
+#pragma unroll
+                    for (u32 k = 0; k < 8; k++)
+#pragma unroll
+                        for (u32 hf = 0; hf < 2; hf++) {
+                            float4& acc = accp[(2 * k + hf) * ATTN_ROWS_THREADS];
+                            float4 t = acc;
+                            t.x += p[k][hf].x;
+                            t.y += p[k][hf].y;
+                            t.z += p[k][hf].z;
+                            t.w += p[k][hf].w;
+                            acc = t;
+                            p[k][hf] = zero4;
+                        }
+                }
+                const float4 v[2] = {*(const float4*)vr, *(const float4*)(vr + 256)};
+                const float4 w0 = *(const float4*)wr;
+                const float4 w1 = *(const float4*)(wr + 4);
+                const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+                for (u32 k = 0; k < 8; k++)
+#pragma unroll
+                    for (u32 hf = 0; hf < 2; hf++) {
+                        p[k][hf].x += w[k] * v[hf].x;
+                        p[k][hf].y += w[k] * v[hf].y;
+                        p[k][hf].z += w[k] * v[hf].z;
+                        p[k][hf].w += w[k] * v[hf].w;
+                    }
+            }
+        }
+        if (on) {
+#pragma unroll
+            for (u32 k = 0; k < 8; k++) {
+                const u32 hh = 8 * oct + k;
+                if (hh >= n_group) break;
+                const float inv = inv_sh[si * ATTN_ROWS_HEADS + hh];
+#pragma unroll
+                for (u32 hf = 0; hf < 2; hf++) {
+                    const u32 d = hf * 256 + 4 * dq;
+                    if (d >= head_dim) break;
+                    const float4 acc = acc_sh[(2 * k + hf) * ATTN_ROWS_THREADS + tid];
+                    float4 o;
+                    o.x = (acc.x + p[k][hf].x) * inv;
+                    o.y = (acc.y + p[k][hf].y) * inv;
+                    o.z = (acc.z + p[k][hf].z) * inv;
+                    o.w = (acc.w + p[k][hf].w) * inv;
+                    *(float4*)(ys.a.out + (u64)(h0 + hh) * head_dim + d) = o;
+                }
+            }
+        }
+    }
+    // Fused (plan.rs): the inverse RoPE of each head's tail, then the heads' Q8_0 quantization,
+    // as `attention` computes them, for both token rows.
+    if (a0.rope) {
+        __syncthreads();
+        const u32 pairs = a0.n_rot / 2, per = n_group * pairs;
+        for (u32 t = tid; t < 2 * per; t += ATTN_ROWS_THREADS) {
+            const u32 i = t / per, tt = t % per;
+            const AttnRowsY& v = i ? Y[1] : Y[0];
+            if (!v.on) continue;
+            float* og = v.a.out + (u64)h0 * head_dim;
+            rope_pair(og + (tt / pairs) * head_dim + (head_dim - a0.n_rot), a0.rope + (u64)v.pos * pairs * 2, tt % pairs, true);
+        }
+    }
+    if (a0.xq) {
+        __syncthreads();
+        const u32 nb = n_group * head_dim / 32;
+        for (u32 b = warp; b < 2 * nb; b += ATTN_ROWS_THREADS / 32) {
+            const u32 i = b / nb, bb = b % nb;
+            const AttnRowsY& v = i ? Y[1] : Y[0];
+            if (!v.on) continue;
+            quantize_q8_0_warp(v.a.out[(u64)h0 * head_dim + bb * 32 + lane], v.a.xq, v.a.xd, h0 * (head_dim / 32) + bb, lane);
+        }
+    }
+}
+#endif
+
 #if !DS4_CHUNK_ROWS
 // attention's decode form split over the KV rows (plan.rs picks it for a decode program with
 // head_dim <= 512; DS4_CUDA_ATTN_DECODE=0 keeps `attention`). `attention` runs a block per head

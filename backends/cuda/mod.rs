@@ -221,6 +221,19 @@ mod imp {
         !env_is("DS4_CUDA_ATTN_CHUNK", "0") && !env_is("DS4_CUDA_ATTN_CHUNK", "1")
     }
     const ATTN_ROWS_KERNEL: &str = "attention_rows";
+    /// [`ATTN_ROWS_KERNEL`]'s blocks with two per SM (kernels/attention.cu: attention_rows2: the
+    /// weighted sum's totals in shared memory, <= 128 registers, KV tiles by cp.async), the same
+    /// bits; `DS4_CUDA_ATTN_ROWS=new` picks it, to measure against the default.
+    fn attn_rows_new() -> bool {
+        env_is("DS4_CUDA_ATTN_ROWS", "new")
+    }
+    const ATTN_ROWS2_KERNEL: &str = "attention_rows2";
+    /// Its dynamic shared memory, as kernels/attention.cu lays it out (ATTN_R2_SMEM), in floats:
+    /// two KV tiles of 8 rows x 512, the totals (16 float4 x 256 threads), two tiles' weights
+    /// (8 rows x 2 token rows x 16 heads), vis (2 x 3072 u16), 1 / denom (2 x 16), the flag.
+    fn attn_rows2_smem() -> u32 {
+        4 * (2 * 8 * 512 + 16 * 4 * 256 + 2 * 8 * 2 * 16 + 3072 + 2 * 16 + 4)
+    }
 
     /// The chunk build's indexer scores with a thread per few (token row, compressed row) pairs
     /// (kernels/indexer.cu: indexer_scores_chunk): the pairs a thread takes, token rows by
@@ -1666,6 +1679,19 @@ mod imp {
                                 r.grid = a.n_head.div_ceil(16);
                                 r.rows = rows.div_ceil(2);
                                 r.cond |= (rows as u64) << 50;
+                                if attn_rows_new() {
+                                    // The same grid, block and row count; over 48 KiB of dynamic
+                                    // shared memory needs the kernel's opt-in.
+                                    r.kernel = ATTN_ROWS2_KERNEL;
+                                    r.func = funcs.get(ATTN_ROWS2_KERNEL)?;
+                                    r.smem = attn_rows2_smem();
+                                    r.func
+                                        .set_attribute(
+                                            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            r.smem as i32,
+                                        )
+                                        .map_err(drv(&format!("{ATTN_ROWS2_KERNEL}: {} bytes of shared memory", r.smem)))?;
+                                }
                             }
                             // A block per (row, group of threads / 16 heads): same bits, each KV row
                             // read once per group instead of once per head.

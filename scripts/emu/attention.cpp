@@ -83,7 +83,11 @@ static int run(const Config& c) {
     {
         const AttentionArgs a = args(out_new, sc_new, xq_new, xd_new);
         const RowStrides R = strides(out_new, sc_new, xq_new, xd_new);
-#ifdef EMU_ATTN_ROWS
+#if defined(EMU_ATTN_ROWS2)
+        // As mod.rs launches it: attention_rows's grid and block (its shared memory is static here).
+        const u64 rcond = cond | (u64)c.rows << 50;
+        emu_launch({(nh + 15) / 16, (c.rows + 1) / 2, 1}, ATTN_ROWS_THREADS, [&] { attention_rows2(P0, rcond, R, a); });
+#elif defined(EMU_ATTN_ROWS)
         // As mod.rs launches it: row pairs along y, the row count in cond bits 50..62.
         const u64 rcond = cond | (u64)c.rows << 50;
         emu_launch({(nh + 15) / 16, (c.rows + 1) / 2, 1}, ATTN_ROWS_THREADS, [&] { attention_rows(P0, rcond, R, a); });
@@ -129,7 +133,10 @@ static int run(const Config& c) {
                 differ("Q8_0 scale of block", y, b, xd_old.row<float>(y) + b, xd_new.row<float>(y) + b, 4);
             }
     }
-#ifdef EMU_ATTN_ROWS
+#if defined(EMU_ATTN_ROWS2)
+    const char* form = "attention_rows2";
+    const u32 threads = ATTN_ROWS_THREADS;
+#elif defined(EMU_ATTN_ROWS)
     const char* form = "attention_rows";
     const u32 threads = ATTN_ROWS_THREADS;
 #else
@@ -155,7 +162,7 @@ int main(int argc, char** argv) {
         {"tiny heads, 33 row chunks", 3, 8, 1024, 1030, 2, 1200, 2000, false, 0, false, 3, 3, 2100},
         {"tiny heads, 33 chunks indexed", 2, 12, 1500, 1502, 2, 2000, 600, true, 4, false, 3, 3, 2400},
         {"head_dim 128, first tokens", 16, 128, 64, 70, 4, 16, 4, true, 64, true, 7, 7, 0},
-#ifdef EMU_ATTN_ROWS
+#if defined(EMU_ATTN_ROWS) || defined(EMU_ATTN_ROWS2)
         // attention_rows shares a pair of token rows' KV rows: odd row counts (a lone last row),
         // windows that wrap the ring inside the chunk, chunks of 1, 7, 64 and 256 (part active),
         // with and without the indexer's lists, Flash heads and small ones, lists that are not
