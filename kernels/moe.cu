@@ -1838,5 +1838,312 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_mma2
         }
     }
 }
+
+// moe_gate_up_tile_iq2_xxs: IQ2_XXS gate and up for every pair of each expert (plan.rs takes it
+// with DS4_CUDA_MOE_GATE_UP=tile), the same bits as moe_gate_up_mma_iq2_xxs with each weight
+// decoded once per pass of up to GUT_COLS pairs instead of once per 8. Blocks go (64 mid rows,
+// expert) as that kernel's, a warp per 16-row tile (8 gate rows, their 8 up rows), the MMAs and
+// the decode of moe_gate_up_mma2_iq2_xxs (moe2_entry, the warp's quants copied to shared memory).
+// Per block (in leaf order) a lane decodes each sub-block's fragment once and multiplies it with
+// every 8-pair tile of the pass; the tiles' integer block sums stay in registers, and the block
+// terms go into row_total's tree, whose pending sums (and the chunk total, for rows of more than
+// 32 blocks) live in shared memory per lane and tile. The pass's activations of the next block
+// are copied by cp.async while the current block is computed (every warp shares them).
+//
+// Float order: each term is (d * y) * (float)isum as row_total makes it; the leaf's "0.0f +" is
+// left out and an absent block's subtree (a zero term) is skipped rather than added: either only
+// changes the sign of a zero inside the chunk's tree, and the chunk's sum is then added to a total
+// that starts from +0 (kept here: "0.0f + v"), which absorbs it (kernels/README.md, the proven
+// freedom). The tree pairs the present leaves exactly as warp_sum does.
+
+// Tiles of 8 pairs per pass at most, and float4 tree slots per lane and warp (levels x tiles):
+// Flash's 16-block rows need 4 levels, so 4 tiles; wider rows take fewer tiles per pass.
+#ifndef GUT_TILES
+#define GUT_TILES 4
+#endif
+#define GUT_COLS (8 * GUT_TILES)
+#define GUT_SLOTS (4 * GUT_TILES)
+// Bytes between two pairs' staged blocks (moe2's: the 8 lanes of a column meet no bank twice).
+#define GUT_STRIDE MOE2_PAIR_STRIDE
+// Dynamic shared memory (backends/cuda/mod.rs gate_up_tile_smem computes the same size): the code
+// table [256 * MOE2_COPIES] u32; each warp's quant copy [8][16 * 80]; the staged activations
+// [2][GUT_COLS][GUT_STRIDE] and their d [2][GUT_COLS]; the tree slots [8][GUT_SLOTS][32] float4;
+// MOE2_PRMT_LO (16 bytes).
+#define GUT_WQ_OFF (256 * MOE2_COPIES * 4)
+#define GUT_ACT_OFF (GUT_WQ_OFF + 8 * 16 * 80)
+#define GUT_ACTD_OFF (GUT_ACT_OFF + 2 * GUT_COLS * GUT_STRIDE)
+#define GUT_TREE_OFF (GUT_ACTD_OFF + 2 * GUT_COLS * 4)
+#define GUT_CONST_OFF (GUT_TREE_OFF + 8 * GUT_SLOTS * 32 * 16)
+#define GUT_SMEM (GUT_CONST_OFF + 16)
+
+// 16 bytes (4 for a d) from global to shared memory without passing through registers;
+// gut_cp_async_wait waits for all of this thread's copies. (The same asm as matvec.cu's, which
+// scripts/emu/gen.py maps to the emulator's copies.)
+__device__ __forceinline__ void gut_cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void gut_cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void gut_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Stages block b of the pass's pairs: thread i copies 16-byte chunk i % 16 of columns i / 16 and
+// i / 16 + 16 (x0, x1: their Q8_K rows, null past the pass), and the first chunk's thread the d.
+__device__ __forceinline__ void gut_stage(const BlockQ8K* x0, const BlockQ8K* x1, u32 b, u8* act, float* actd) {
+    const u32 q = threadIdx.x & 15, col = threadIdx.x >> 4;
+    if (x0) {
+        gut_cp_async16(act + col * GUT_STRIDE + 16 * q, x0[b].qs + 16 * q);
+        if (q == 0) gut_cp_async4(actd + col, &x0[b].d);
+    }
+    if (x1) {
+        gut_cp_async16(act + (col + 16) * GUT_STRIDE + 16 * q, x1[b].qs + 16 * q);
+        if (q == 0) gut_cp_async4(actd + col + 16, &x1[b].d);
+    }
+}
+// After the copies landed: the thread's own chunks permuted in place for the MMA (moe2_permute).
+__device__ __forceinline__ void gut_permute(bool c0, bool c1, u8* act) {
+    const u32 q = threadIdx.x & 15, col = threadIdx.x >> 4;
+    if (c0) {
+        int4* p = (int4*)(act + col * GUT_STRIDE + 16 * q);
+        *p = moe2_permute(*p);
+    }
+    if (c1) {
+        int4* p = (int4*)(act + (col + 16) * GUT_STRIDE + 16 * q);
+        *p = moe2_permute(*p);
+    }
+}
+
+// The block of leaf L (leaf_block), by a bit reverse on the device.
+__device__ __forceinline__ u32 gut_leaf_block(u32 L) {
+#if __CUDA_ARCH__
+    return (L & ~31u) | (__brev(L) >> 27);
+#else
+    return leaf_block(L);
+#endif
+}
+// The next leaf after L whose block exists, or `end`: leaves step by `step` (present leaves have
+// their low log2(step) bits clear).
+__device__ __forceinline__ u32 gut_next(u32 L, u32 step, u32 nb, u32 end) {
+    do L += step;
+    while (L < end && gut_leaf_block(L) >= nb);
+    return L;
+}
+
+// moe2_entry with MOE2_PRMT_LO in a register the caller holds (`lo_bytes`: loaded from shared
+// memory, so the compiler keeps it instead of moving the constant in before every prmt) and the
+// parity bit merged with the code in one logic op.
+__device__ __forceinline__ void gut_entry(u32 aux0, u32 aux1, u32 t, u32 rot, u32 copy, const u32* codes, u32 lo_bytes,
+                                          u32* lo, u32* hi) {
+    const u32 at = (moe2_rotr(aux0, rot) & 0x3fc0u) | copy;
+    const u32 code = *(const u32*)((const u8*)codes + at);
+    const u32 s = (aux1 >> (7 * t)) & 127;
+    const u32 sel = ((s * 0x00204081u) & 0x01111111u) | ((((u32)__popc(s) << 28) & 0x10000000u) | code);
+    *lo = prmt(lo_bytes, MOE2_PRMT_HI, sel);
+    *hi = prmt(lo_bytes, MOE2_PRMT_HI, sel >> 16);
+}
+
+// One block (leaf i of its chunk, L in all) of a pass of TL tiles: every sub-block's fragment
+// decoded once and multiplied with each tile's columns, the terms, and the leaf into the tree
+// (tree32_leaf with the absent subtrees skipped: at level l a leaf with bit l set adds the pending
+// left sum; one with it clear waits for its right sibling if any block of that subtree exists,
+// else goes on up). The last leaf of a chunk adds the chunk's sum to the total (from +0, kept in
+// the slot after the levels while another chunk follows). v: each tile's 4 values (the total,
+// after the row's last leaf).
+template <int TL>
+__device__ __forceinline__ void gut_leaf(const u8* mine, const u8* xs, const float* xd, float4* tree, const u32* codes,
+                                         u32 lo_bytes, u32 rot, u32 copy, u32 cols, float dg, float du, u32 L, u32 nb,
+                                         u32 lmin, u32 T, float (*v)[4]) {
+    const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, i = L & 31;
+    int is[TL][4];
+#pragma unroll
+    for (int j = 0; j < TL; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) is[j][q] = 0;
+#pragma unroll 1
+    for (u32 c = 0; c < 4; c++) {
+        // Sub-blocks 2c, 2c + 1 of gate row g and up row g (one broadcast load each).
+        const uint4 wg = *(const uint4*)(mine + 80 * g + 16 * c);
+        const uint4 wu = *(const uint4*)(mine + 80 * (8 + g) + 16 * c);
+#pragma unroll
+        for (u32 hs = 0; hs < 2; hs++) {
+            const u32 s = 2 * c + hs;
+            const u32 g0 = hs ? wg.z : wg.x, g1 = hs ? wg.w : wg.y;
+            const u32 u0 = hs ? wu.z : wu.x, u1 = hs ? wu.w : wu.y;
+            u32 w[4];
+            gut_entry(g0, g1, t, rot, copy, codes, lo_bytes, &w[0], &w[2]);
+            gut_entry(u0, u1, t, rot, copy, codes, lo_bytes, &w[1], &w[3]);
+            const int sg = (int)((g1 >> 27) | 1), su = (int)((u1 >> 27) | 1);
+            // The fragment once for every tile (a column past the pairs repeats the last: an
+            // MMA's columns do not mix, and it is not written).
+#pragma unroll
+            for (int j = 0; j < TL; j++) {
+                const u32 col = min(8 * j + g, cols - 1);
+                const uint2 xv = *(const uint2*)(xs + col * GUT_STRIDE + 32 * s + 8 * t);
+                const u32 xb[2] = {xv.x, xv.y};
+                int d[4] = {0, 0, 0, 0};
+                mma_s8_k32(d, w, xb);
+                is[j][0] += d[0] * sg;
+                is[j][1] += d[1] * sg;
+                is[j][2] += d[2] * su;
+                is[j][3] += d[3] * su;
+            }
+        }
+    }
+    // row_total's terms (gate of columns 2t, 2t + 1, then up), without the "0.0f +".
+#pragma unroll
+    for (int j = 0; j < TL; j++) {
+        const float y0 = xd[min(8 * j + 2 * t, cols - 1)], y1 = xd[min(8 * j + 2 * t + 1, cols - 1)];
+        v[j][0] = (dg * y0) * (float)is[j][0];
+        v[j][1] = (dg * y1) * (float)is[j][1];
+        v[j][2] = (du * y0) * (float)is[j][2];
+        v[j][3] = (du * y1) * (float)is[j][3];
+    }
+#pragma unroll
+    for (u32 l = 0; l < 5; l++) {
+        if (l < lmin) continue;
+        float4* const slot = tree + (l - lmin) * T * 32;
+        if ((i >> l) & 1) {
+#pragma unroll
+            for (int j = 0; j < TL; j++) {
+                const float4 p = slot[32 * j];
+                v[j][0] = p.x + v[j][0];
+                v[j][1] = p.y + v[j][1];
+                v[j][2] = p.z + v[j][2];
+                v[j][3] = p.w + v[j][3];
+            }
+        } else if ((L & ~31u) + bit_reverse5(((i >> l) | 1) << l) < nb) {
+#pragma unroll
+            for (int j = 0; j < TL; j++) slot[32 * j] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+            return;
+        }
+    }
+    float4* const tot = tree + (5 - lmin) * T * 32;
+#pragma unroll
+    for (int j = 0; j < TL; j++) {
+        const float4 p = L < 32 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : tot[32 * j];
+        v[j][0] = p.x + v[j][0];
+        v[j][1] = p.y + v[j][1];
+        v[j][2] = p.z + v[j][2];
+        v[j][3] = p.w + v[j][3];
+        if ((L | 31) + 1 < nb) tot[32 * j] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
+    static_assert(GUT_COLS <= 32 && GUT_TILES >= 1 && GUT_TILES <= 4, "two staged columns per thread of 256");
+    ds4_wait_predecessor();
+    const u32 e = blockIdx.x % a.n_expert;
+    if (a.route[e] == 0) return;
+    extern __shared__ __align__(16) u8 gut_smem[];
+#if __CUDA_ARCH__
+    // The host sizes the dynamic shared memory (mod.rs: gate_up_tile_smem); a smaller one is a bug.
+    u32 smem_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    if (smem_bytes < GUT_SMEM) __trap();
+#endif
+    u32* const codes = (u32*)gut_smem;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    u8* const mine = gut_smem + GUT_WQ_OFF + warp * 16 * 80;
+    float4* const tree = (float4*)(gut_smem + GUT_TREE_OFF) + warp * GUT_SLOTS * 32 + lane;
+    moe2_code_table(a.grid, codes);
+    if (threadIdx.x == 0) *(u32*)(gut_smem + GUT_CONST_OFF) = MOE2_PRMT_LO;
+    const u32 rot = (8 * t + 26) & 31, copy = 4 * (lane & 15);
+    const u32 r0 = (blockIdx.x / a.n_expert * 8 + warp) * MOE_MMA_MID_ROWS;
+    // A warp past ff computes row ff - 1 (it must keep the block's barriers) and writes nothing.
+    const u32 nb = a.in_dim / 256, r = min(r0 + g, a.ff - 1);
+    const u32 end = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK * DS4_BLOCK_CHUNK;
+    const ExpertRow gate = expert_row(a.gate, 16, e, (u64)r * nb), up = expert_row(a.up, 16, e, (u64)r * nb);
+    // Tree levels below lmin never pair (a present leaf has those bits clear and no sibling):
+    // blocks < 2^(5 - lmin). Slots: levels lmin..4, then the total when a row has several chunks.
+    const u32 cbmax = min(nb, (u32)DS4_BLOCK_CHUNK);
+    u32 lmin = 5;
+    while (lmin > 0 && (1u << (5 - lmin)) < cbmax) lmin--;
+    const u32 step = 1u << min(lmin, 4u);
+    const u32 slots = 5 - lmin + (nb > DS4_BLOCK_CHUNK ? 1 : 0);
+    const u32 T = min((u32)GUT_TILES, (u32)GUT_SLOTS / max(slots, 1u));
+    // Lanes (g, 0) and (g, 1) prefetch gate row g and up row g into L2.
+    const u8* pf = t == 0 ? gate.qs : up.qs;
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    __syncthreads();  // the code table and the constant
+    const u32 lo_bytes = *(volatile const u32*)(gut_smem + GUT_CONST_OFF);
+    for (u32 i0 = 0; i0 < n; i0 += 8 * T) {
+        const u32 cols = min(n - i0, 8 * T), tiles = (cols + 7) / 8;
+        // This thread's staged columns (their rows' activations), null past the pass.
+        const u32 c0 = threadIdx.x >> 4, c1 = c0 + 16;
+        const BlockQ8K* x0 = c0 < cols ? gate_up_pair_x(a, R, pairs[i0 + c0]) : 0;
+        const BlockQ8K* x1 = c1 < cols ? gate_up_pair_x(a, R, pairs[i0 + c1]) : 0;
+        __syncthreads();  // the previous pass has finished with the staging buffers
+        gut_stage(x0, x1, 0, gut_smem + GUT_ACT_OFF, (float*)(gut_smem + GUT_ACTD_OFF));
+        u32 Lp = 0;
+        for (u32 k = 0; k < MOE2_L2_AHEAD; k++) {
+            if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
+            Lp = Lp < end ? gut_next(Lp, step, nb, end) : end;
+        }
+        int4 qg = __ldg((const int4*)(gate.qs + 16 * t)), qu = __ldg((const int4*)(up.qs + 16 * t));
+        u16 hg = __ldg((const u16*)gate.rest), hu = __ldg((const u16*)up.rest);
+        float v[GUT_TILES][4];
+        u32 k = 0;  // present leaves so far
+        // Leaf 0 (block 0) exists; each step goes to the next present leaf.
+#pragma unroll 1
+        for (u32 L = 0; L < end;) {
+            const u32 next = gut_next(L, step, nb, end), bn = gut_leaf_block(next);
+            u8* const xs = gut_smem + GUT_ACT_OFF + (k & 1) * GUT_COLS * GUT_STRIDE;
+            const float* const xd = (const float*)(gut_smem + GUT_ACTD_OFF) + (k & 1) * GUT_COLS;
+            // This block's activations have landed (every thread's copies: the barrier); the next
+            // block's go into the other buffer, which every warp finished with before the barrier.
+            gut_cp_async_wait();
+            gut_permute(x0 != 0, x1 != 0, xs);
+            __syncthreads();
+            if (next < end)
+                gut_stage(x0, x1, bn, gut_smem + GUT_ACT_OFF + ((k + 1) & 1) * GUT_COLS * GUT_STRIDE,
+                          (float*)(gut_smem + GUT_ACTD_OFF) + ((k + 1) & 1) * GUT_COLS);
+            k++;
+            // This block's quants to the warp's copy; the next block's into registers.
+            __syncwarp();
+            *(int4*)(mine + 80 * g + 16 * t) = qg;
+            *(int4*)(mine + 80 * (8 + g) + 16 * t) = qu;
+            __syncwarp();
+            const float dg = h2f(hg), du = h2f(hu);
+            if (next < end) {
+                const u64 at = (u64)bn * 64 + 16 * t;
+                qg = __ldg((const int4*)(gate.qs + at));
+                qu = __ldg((const int4*)(up.qs + at));
+                hg = __ldg((const u16*)gate.rest + bn);
+                hu = __ldg((const u16*)up.rest + bn);
+            }
+            if (Lp < end) {
+                if (t < 2) moe2_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
+                Lp = gut_next(Lp, step, nb, end);
+            }
+            // The pass's tile count as a constant of the code (uniform).
+            if (tiles == 1) gut_leaf<1>(mine, xs, xd, tree, codes, lo_bytes, rot, copy, cols, dg, du, L, nb, lmin, T, v);
+            else if (tiles == 2) gut_leaf<2>(mine, xs, xd, tree, codes, lo_bytes, rot, copy, cols, dg, du, L, nb, lmin, T, v);
+#if GUT_TILES >= 3
+            else if (tiles == 3) gut_leaf<3>(mine, xs, xd, tree, codes, lo_bytes, rot, copy, cols, dg, du, L, nb, lmin, T, v);
+#endif
+#if GUT_TILES >= 4
+            else gut_leaf<4>(mine, xs, xd, tree, codes, lo_bytes, rot, copy, cols, dg, du, L, nb, lmin, T, v);
+#endif
+            L = next;
+        }
+        // v holds the last chunk's total (the last present leaf completes its chunk).
+        if (r0 + g >= a.ff) continue;
+#pragma unroll
+        for (u32 j = 0; j < GUT_TILES; j++) {
+            if (j >= tiles) break;
+#pragma unroll
+            for (u32 jj = 0; jj < 2; jj++) {
+                const u32 q = 8 * j + 2 * t + jj;
+                if (q >= cols) break;
+                const u32 p = pairs[i0 + q], slot = p % a.n_used;
+                MoeGateUpGroupedArgs ay = a;
+                ds4_row(ay, R, p / a.n_used);
+                const float gv = 0.125f * v[j][jj], uv = 0.125f * v[j][2 + jj];
+                ay.mid[(u64)slot * a.ff + r0 + g] = swiglu_clamped(gv, uv, a.clamp) * ay.weights[slot];
+            }
+        }
+    }
+}
 #endif
 #endif

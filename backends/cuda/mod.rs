@@ -195,6 +195,16 @@ mod imp {
         Some(Q8Tile { wn: env_choice("DS4_CUDA_Q8_TILE_WN", &[2, 4], 4), nt: 4, min_blocks: 1 })
     }
 
+    /// The dynamic shared memory of `moe_gate_up_tile_iq2_xxs`, as kernels/moe.cu lays it out
+    /// (GUT_SMEM, 4 tiles of 8 pairs): the code table (256 entries x 16 copies), 8 warps' quant
+    /// copies (16 rows of 80 bytes), two buffers of 32 staged pairs (288 bytes each) and their d,
+    /// 8 warps' tree slots (16 float4 per lane), a 16-byte constant.
+    fn gate_up_tile_smem() -> u32 {
+        let (tiles, warps) = (4, 8);
+        let cols = 8 * tiles;
+        256 * 16 * 4 + warps * 16 * 80 + 2 * cols * 288 + 2 * cols * 4 + warps * 4 * tiles * 32 * 16 + 16
+    }
+
     /// Token rows per block of [`Q8_MMA_KERNEL`]: 8, 16 or 32 (`DS4_CUDA_MMA_TOKENS`, to measure).
     /// 16 measured best on the H200 (flash-4l chunk of 64: 3.09 ms against 3.83 for 32).
     fn q8_mma_tokens() -> u32 {
@@ -1473,6 +1483,10 @@ mod imp {
                 plan::ChunkExperts::Grouped
             } else if mma.as_deref() == Some("2") {
                 plan::ChunkExperts::GroupedMma2
+            } else if env_is("DS4_CUDA_MOE_GATE_UP", "tile") {
+                // The IQ2_XXS gate/up decoding each weight once per pass of up to 32 pairs
+                // (`moe_gate_up_tile_iq2_xxs`), the same bits; not the default until measured.
+                plan::ChunkExperts::GroupedMmaTile
             } else {
                 plan::ChunkExperts::GroupedMma
             };
@@ -1665,6 +1679,16 @@ mod imp {
                             return Err(err(format!("{}: {} blocks do not fit gridDim.y", r.kernel, r.grid)));
                         }
                         (r.grid, r.rows) = (r.rows, r.grid);
+                    }
+                    if r.kernel == plan::GATE_UP_TILE_KERNEL {
+                        r.smem = gate_up_tile_smem();
+                        // Over 48 KiB of dynamic shared memory needs the kernel's opt-in.
+                        r.func
+                            .set_attribute(
+                                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                r.smem as i32,
+                            )
+                            .map_err(drv(&format!("{}: {} bytes of shared memory", r.kernel, r.smem)))?;
                     }
                     if r.kernel == "attention" {
                         let a = bytemuck::try_pod_read_unaligned::<args::AttentionArgs>(bytemuck::cast_slice(&r.args))

@@ -165,6 +165,9 @@ pub enum ChunkExperts {
     /// (`moe_gate_up_mma2_iq2_xxs`, `moe_down_mma2_q2_k`): the same tiles and bits, fewer
     /// instructions and stalls.
     GroupedMma2,
+    /// As [`ChunkExperts::GroupedMma`] with `moe_gate_up_tile_iq2_xxs` for the IQ2_XXS gate/up
+    /// (each weight decoded once per pass of up to 32 pairs; dynamic shared memory): the same bits.
+    GroupedMmaTile,
 }
 
 /// Kernels of the chunk build that cover all the chunk's rows in one launch without
@@ -172,7 +175,7 @@ pub enum ChunkExperts {
 /// experts grouped by expert). A kernel missing here is launched over `blockIdx.y` 0..rows and
 /// every row's blocks redo all of it (same writes: exact, but rows times slower); the plan tests
 /// check that every grouped expert kernel is listed.
-pub const ALL_ROWS_KERNELS: [&str; 8] = [
+pub const ALL_ROWS_KERNELS: [&str; 9] = [
     "moe_route",
     "moe_gate_up_grouped",
     "moe_gate_up_grouped_iq2_xxs",
@@ -181,7 +184,12 @@ pub const ALL_ROWS_KERNELS: [&str; 8] = [
     "moe_down_mma_q2_k",
     "moe_gate_up_mma2_iq2_xxs",
     "moe_down_mma2_q2_k",
+    "moe_gate_up_tile_iq2_xxs",
 ];
+
+/// The IQ2_XXS gate/up that decodes each weight once per pass of many pairs (kernels/moe.cu); it
+/// takes dynamic shared memory (mod.rs sizes it).
+pub const GATE_UP_TILE_KERNEL: &str = "moe_gate_up_tile_iq2_xxs";
 
 /// Mid rows per warp of `moe_gate_up_mma_iq2_xxs` and output rows per warp of `moe_down_mma_q2_k`
 /// (kernels/moe.cu: MOE_MMA_MID_ROWS, MOE_MMA_DOWN_ROWS); 8 warps a block.
@@ -333,12 +341,18 @@ impl<'a> Builder<'a> {
         };
         self.launch(1, 1024, route);
         let mma2 = self.experts == ChunkExperts::GroupedMma2;
-        let mma = mma2 || self.experts == ChunkExperts::GroupedMma;
+        let tile = self.experts == ChunkExperts::GroupedMmaTile;
+        let mma = mma2 || tile || self.experts == ChunkExperts::GroupedMma;
         if mma && gu.gate_ty == GgmlType::IQ2_XXS as u32 {
             // A warp per 8 mid rows (a tile of their gate and up rows) of an expert, 8 warps a block.
             self.launch(n_expert * blocks(ff / MOE_MMA_MID_ROWS, 8), 256, gu);
-            self.launches.last_mut().expect("just launched").kernel =
-                if mma2 { "moe_gate_up_mma2_iq2_xxs" } else { "moe_gate_up_mma_iq2_xxs" };
+            self.launches.last_mut().expect("just launched").kernel = if mma2 {
+                "moe_gate_up_mma2_iq2_xxs"
+            } else if tile {
+                GATE_UP_TILE_KERNEL
+            } else {
+                "moe_gate_up_mma_iq2_xxs"
+            };
         } else {
             // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
             self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
@@ -1665,6 +1679,7 @@ mod tests {
             for (mode, gate_up, down) in [
                 (ChunkExperts::GroupedMma, "moe_gate_up_mma_iq2_xxs", "moe_down_mma_q2_k"),
                 (ChunkExperts::GroupedMma2, "moe_gate_up_mma2_iq2_xxs", "moe_down_mma2_q2_k"),
+                (ChunkExperts::GroupedMmaTile, GATE_UP_TILE_KERNEL, "moe_down_mma_q2_k"),
             ] {
                 let mma = plan_experts(&chunk, true, false, mode).unwrap();
                 assert_eq!(grouped.launches.len(), mma.launches.len());

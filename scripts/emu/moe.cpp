@@ -3,10 +3,13 @@
 // ones (moe_route, moe_gate_up_grouped[_iq2_xxs], quantize_q8_k per row, moe_down_grouped,
 // moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit; in the split
 // layout, again with the tensor-core kernels (moe_gate_up_mma_iq2_xxs, moe_down_mma_q2_k) where
-// the types have them. First it checks the emulated int8 MMA against a plain matrix product.
+// the types have them; with the first of those, moe_gate_up_tile_iq2_xxs's mid against
+// moe_gate_up_mma_iq2_xxs's. First it checks the emulated int8 MMA against a plain matrix product.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
+
+#include <chrono>
 
 static unsigned short rand_half() {
     // Finite, normal, moderate: exponent 8..18 (2^-7 .. 2^3).
@@ -56,6 +59,35 @@ struct Config {
 };
 
 static u32 blocks_of(u32 n, u32 per) { return n ? (n + per - 1) / per : 1; }
+
+#if !DS4_NATIVE_BLOCKS
+// moe_gate_up_tile_iq2_xxs against moe_gate_up_mma_iq2_xxs's mid (`want`), launched as plan.rs
+// launches the tile kernel (the same grid; its dynamic shared memory is a static array here).
+static int gate_up_tile_check(const Config& c, MoeGateUpGroupedArgs a, RowBuf& route, RowBuf& want, RowBuf& X,
+                              RowBuf& SEL, RowBuf& W, size_t mid_bytes,
+                              const StepParams* P0, u64 cond) {
+    RowBuf mid(mid_bytes, c.rows);
+    a.mid = (float*)mid.ptr();
+    const RowStrides R = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid.stride, 0, route.stride});
+    const auto t0 = std::chrono::steady_clock::now();
+    emu_launch({c.n_expert * blocks_of(c.ff / MOE_MMA_MID_ROWS, 8), 1, 1}, 256,
+               [&] { moe_gate_up_tile_iq2_xxs(P0, cond, R, a); });
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    int bad = 0;
+    for (u32 y = 0; y < c.rows; y++) {
+        if (y < c.active ? memcmp(mid.row<char>(y), want.row<char>(y), mid_bytes) != 0
+                         : mid.row<u32>(y)[0] != 0xababababu) {
+            printf("  row %u: tile mid differs\n", y);
+            bad++;
+        }
+    }
+    u32 most = 0;
+    for (u32 e = 0; e < c.n_expert; e++) most = std::max(most, route.row<u32>(0)[e]);
+    printf("gate 16 tile in %u ff %u experts %u used %u rows %u/%u (most pairs %u) split: %s against mma (%.1f s)\n",
+           c.in_dim, c.ff, c.n_expert, c.n_used, c.active, c.rows, most, bad ? "DIFFER" : "same bits", secs);
+    return bad;
+}
+#endif
 
 static int run(const Config& c, bool native) {
     const u32 nbi = c.in_dim / 256, nbf = c.ff / 256;
@@ -196,6 +228,9 @@ static int run(const Config& c, bool native) {
                 if (mma == 2) moe_gate_up_mma2_iq2_xxs(P0, cond, RG, a);
                 else moe_gate_up_mma_iq2_xxs(P0, cond, RG, a);
             });
+            // With the first tensor-core kernel: moe_gate_up_tile_iq2_xxs (the same grid) on the
+            // same route, its mid compared with that kernel's bit for bit.
+            if (mma == 1) bad += gate_up_tile_check(c, a, route, mid_new, X, SEL, W, mid_bytes, P0, cond);
 #endif
         } else {
             emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
@@ -424,6 +459,9 @@ int main(int argc, char** argv) {
         {16, 10, 4096, 2048, 48, 4, 2, 6, 5, {1, 3, 0, 6}},                 // Flash's widths (16, 8 blocks)
         // Experts of 0, 1, 3, 8, 9, 17, 33 pairs (up to five tiles of 8), at Flash's widths.
         {16, 10, 4096, 2048, 40, 8, 2, 38, 36, {0, 1, 3, 8, 9, 17, 33, 1}},
+        // 24 blocks (one chunk, all tree levels: moe_gate_up_tile_iq2_xxs passes of 24 pairs),
+        // experts of 7 and 41 pairs.
+        {16, 10, 6144, 256, 32, 4, 2, 24, 24, {7, 0, 41, 0}},
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     for (int i = 0; i < (int)(sizeof(configs) / sizeof(configs[0])); i++)
