@@ -725,24 +725,41 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
 //     the current tile's math), one barrier a tile instead of two, no staging registers;
 //   - a KV row's address is found without a division (the ring wraps at most once: the
 //     universe's raw rows are at most raw_cap, else the rows run alone), and a thread copies
-//     the same float4 of its rows every tile.
+//     the same float4 of its rows every tile;
+//   - the universe's compressed rows are the union of the rows' own (two indexer picks, or
+//     every visible row), not every compressed row up to the larger count: past ~2k positions
+//     two picks of 512 from thousands share the block instead of staging them all (at 8k, 2,048
+//     staged rows for 512 used) or, past attention_rows' 3,072-row table, running the rows one
+//     at a time with half the warps idle. A shared pass costs the union's rows, never more than
+//     the two rows alone.
 // Dynamic shared memory, ATTN_R2_SMEM bytes (mod.rs: attn_rows2_smem), in floats:
 //   [0, 8192)         two KV tiles of ATTN_ROWS_TILE rows x 512
 //   [8192, 24576)     acc [16 float4][256 threads]; before the weighted sum: the softmax's
 //                     buffers (8 warps x 1024); during the scores, the level-one sums (8
 //                     warps x ATTN_ROWS_TILE x ATTN_R2_PROW) at 8192 floats in
 //   [24576, 25088)    the weights of two tiles [tile][row][token row][head]
-//   [25088, 28160)    vis, u16 [2][ATTN_ROWS_VIS]
-//   [28160, 28192)    1 / denom [token row][head]; then the shared flag
+//   [25088, 27136)    vis, u16 [2][ATTN_R2_VIS_ROWS]
+//   [27136, 28160)    ucomp, u16 [ATTN_R2_VIS_ROWS]: the compressed row of each universe row past
+//                     the raw ones
+//   [28160, 28192)    1 / denom [token row][head]; then the shared flag and the universe count
+//   While the universe is built, the acc area holds a bitmap of the compressed rows either token
+//   row sees and each bitmap word's count of set bits before it.
+// Universe rows of a shared pass: the raw window and the union of the two rows' compressed rows
+// (two indexer picks of top_k are at most 2 top_k).
+#define ATTN_R2_VIS_ROWS 2048
+// Bitmap words (32 compressed rows each) the universe's build can hold: ucomp is u16.
+#define ATTN_R2_BM_WORDS 2048
 #define ATTN_R2_TILES 0
 #define ATTN_R2_ACC (2 * ATTN_ROWS_TILE * 512)
 #define ATTN_R2_PART (ATTN_R2_ACC + 8 * 1024)
 #define ATTN_R2_WT (ATTN_R2_ACC + 16 * 4 * ATTN_ROWS_THREADS)
 #define ATTN_R2_VIS (ATTN_R2_WT + 2 * ATTN_ROWS_TILE * 2 * ATTN_ROWS_HEADS)
-#define ATTN_R2_INV (ATTN_R2_VIS + ATTN_ROWS_VIS)
+#define ATTN_R2_UC (ATTN_R2_VIS + ATTN_R2_VIS_ROWS)
+#define ATTN_R2_INV (ATTN_R2_UC + ATTN_R2_VIS_ROWS / 2)
 #define ATTN_R2_FLAG (ATTN_R2_INV + 2 * ATTN_ROWS_HEADS)
 #define ATTN_R2_SMEM (4 * (ATTN_R2_FLAG + 4))
 static_assert(ATTN_ROWS_TILE == 8 && ATTN_ROWS_THREADS == 256, "the layout above; a warp per tile row");
+static_assert(2 * ATTN_R2_BM_WORDS <= 16 * 4 * ATTN_ROWS_THREADS, "the bitmap and its counts fit in the acc area");
 // A tile row's level-one sums [lane][head] padded to 68 floats, so that the butterfly's lanes
 // (tile row, head) read distinct banks and the row's float4s stay 16-byte aligned.
 #define ATTN_R2_PROW 68
@@ -794,42 +811,90 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // The tiles' dims past head_dim stay +0 for the scores (the copies write the first head_dim).
     for (u32 f = tid; f < 2 * ATTN_ROWS_TILE * 128; f += ATTN_ROWS_THREADS) *(float4*)(tiles + 4 * f) = zero4;
-    // The shared universe when both rows run: raw positions lo..hi, then compressed rows 0..n_comp.
-    // Its raw rows are at most raw_cap, so that their ring indices wrap at most once.
+    // The shared universe when both rows run: raw positions lo..hi, then the compressed rows
+    // either row sees, ascending (the union of two indexer picks, or every visible row). Its raw
+    // rows are at most raw_cap, so that their ring indices wrap at most once. The compressed rows
+    // are found through a bitmap: rank(c), the set bits before bit c, is c's place in the union.
+    u16* const ucomp = (u16*)(attn_r2_smem + ATTN_R2_UC);
     const u32 lo = min(Y[0].first, Y[1].first), hi = max(Y[0].pos, Y[1].pos);
-    const u32 u_raw = hi + 1 - lo, u_all = u_raw + max(Y[0].n_comp, Y[1].n_comp);
-    bool shared = Y[0].on && Y[1].on && hi - lo < ATTN_ROWS_VIS && u_all <= ATTN_ROWS_VIS && u_raw <= a0.raw_cap;
+    const u32 u_raw = hi + 1 - lo, n_words = (max(Y[0].n_comp, Y[1].n_comp) + 31) / 32;
+    u32 u_all = 0;
+    bool shared = Y[0].on && Y[1].on && u_raw <= ATTN_R2_VIS_ROWS && u_raw <= a0.raw_cap &&
+                  n_words <= ATTN_R2_BM_WORDS;
     if (shared) {
-        for (u32 u = tid; u < u_all; u += ATTN_ROWS_THREADS)
-#pragma unroll
-            for (u32 i = 0; i < 2; i++) {
-                const AttnRowsY& v = Y[i];
-                u32 r = ATTN_ROWS_NONE;
-                if (u < u_raw) {
-                    const u32 p = lo + u;
-                    if (p >= v.first && p <= v.pos) r = p - v.first;
-                } else if (!v.indexed && u - u_raw < v.n_comp) {
-                    r = v.n_raw + (u - u_raw);
-                }
-                vis[i * ATTN_ROWS_VIS + u] = (u16)r;
-            }
-        if (tid == 0) *flag_sh = 0;
+        u32* const bm = (u32*)(attn_r2_smem + ATTN_R2_ACC);
+        u32* const before = bm + ATTN_R2_BM_WORDS;
+        for (u32 w = tid; w < n_words; w += ATTN_ROWS_THREADS) bm[w] = 0;
+        if (tid == 0) flag_sh[0] = 0;
         __syncthreads();
 #pragma unroll
         for (u32 i = 0; i < 2; i++) {
             const AttnRowsY& v = Y[i];
-            if (!v.indexed) continue;
-            for (u32 e = tid; e < a0.top_k; e += ATTN_ROWS_THREADS) {
-                const int c = v.a.selected[e];
-                const bool ok = c >= 0 && (u32)c < v.n_comp && (e == 0 || v.a.selected[e - 1] < c);
-                if (ok)
-                    vis[i * ATTN_ROWS_VIS + u_raw + c] = (u16)(v.n_raw + e);
-                else
-                    *flag_sh = 1;
+            if (v.indexed) {
+                for (u32 e = tid; e < a0.top_k; e += ATTN_ROWS_THREADS) {
+                    const int c = v.a.selected[e];
+                    const bool ok = c >= 0 && (u32)c < v.n_comp && (e == 0 || v.a.selected[e - 1] < c);
+                    if (ok)
+                        atomicOr(bm + c / 32, 1u << (c % 32));
+                    else
+                        flag_sh[0] = 1;
+                }
+            } else {
+                for (u32 w = tid; w < (v.n_comp + 31) / 32; w += ATTN_ROWS_THREADS)
+                    atomicOr(bm + w, 32 * (w + 1) <= v.n_comp ? ~0u : (1u << (v.n_comp % 32)) - 1);
             }
         }
         __syncthreads();
-        shared = *flag_sh == 0;
+        if (warp == 0) {
+            // before[w]: the set bits of words 0..w - 1 (an inclusive warp scan per 32 words).
+            u32 carry = 0;
+            for (u32 w0 = 0; w0 < n_words; w0 += 32) {
+                const u32 n = w0 + lane < n_words ? (u32)__popc(bm[w0 + lane]) : 0;
+                u32 x = n;
+#pragma unroll
+                for (u32 o = 1; o < 32; o *= 2) {
+                    const u32 y = __shfl_up_sync(0xffffffffu, x, o);
+                    if (lane >= o) x += y;
+                }
+                if (w0 + lane < n_words) before[w0 + lane] = carry + x - n;
+                carry += __shfl_sync(0xffffffffu, x, 31);
+            }
+            if (lane == 0) flag_sh[1] = carry;
+        }
+        __syncthreads();
+        u_all = u_raw + flag_sh[1];
+        shared = flag_sh[0] == 0 && u_all <= ATTN_R2_VIS_ROWS;
+        if (shared) {
+            for (u32 u = tid; u < u_all; u += ATTN_ROWS_THREADS)
+#pragma unroll
+                for (u32 i = 0; i < 2; i++) {
+                    const AttnRowsY& v = Y[i];
+                    u32 r = ATTN_ROWS_NONE;
+                    const u32 p = lo + u;
+                    if (u < u_raw && p >= v.first && p <= v.pos) r = p - v.first;
+                    vis[i * ATTN_R2_VIS_ROWS + u] = (u16)r;
+                }
+            for (u32 w = tid; w < n_words; w += ATTN_ROWS_THREADS) {
+                const u32 bits = bm[w];
+                u32 k = before[w];
+                for (u32 b = 0; b < 32; b++)
+                    if ((bits >> b) & 1) ucomp[k++] = (u16)(32 * w + b);
+            }
+            __syncthreads();
+            // Each row's own index of its compressed rows, at their places in the union.
+            auto rank = [&](u32 c) { return before[c / 32] + (u32)__popc(bm[c / 32] & ((1u << (c % 32)) - 1)); };
+#pragma unroll
+            for (u32 i = 0; i < 2; i++) {
+                const AttnRowsY& v = Y[i];
+                const u32 n = v.indexed ? a0.top_k : v.n_comp;
+                for (u32 e = tid; e < n; e += ATTN_ROWS_THREADS) {
+                    const u32 c = v.indexed ? (u32)v.a.selected[e] : e;
+                    vis[i * ATTN_R2_VIS_ROWS + u_raw + rank(c)] = (u16)(v.n_raw + e);
+                }
+            }
+        }
+        // The bitmap's area is the acc area: every read of it is done before the passes.
+        __syncthreads();
     }
 
     // Pass 0 is the shared universe, or token row 0 alone; pass 1 token row 1 alone.
@@ -844,10 +909,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
         auto mine = [&](u32 i) { return single < 2 ? i == single : (i ? Y[1].on : Y[0].on); };
         auto visof = [&](u32 i, u32 u) -> u32 {
             if (single < 2) return i == single ? u : ATTN_ROWS_NONE;
-            return vis[i * ATTN_ROWS_VIS + u];
+            return vis[i * ATTN_R2_VIS_ROWS + u];
         };
         // visof(si, u) for this warp's token row si (below).
-        const u16* const vis_si = vis + (warp >> 2) * ATTN_ROWS_VIS;
+        const u16* const vis_si = vis + (warp >> 2) * ATTN_R2_VIS_ROWS;
         const bool single_si = single < 2, mine_si = (warp >> 2) == single;
         auto visof_si = [&](u32 u) -> u32 {
             if (single_si) return mine_si ? u : ATTN_ROWS_NONE;
@@ -855,7 +920,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
         };
         // Universe row u's address: the first nr rows are raw rows from ring index ring0 on
         // (wrapping at most once), then compressed rows (through `sel` when the row alone is
-        // indexed).
+        // indexed, through ucomp in the shared universe).
         const u32 nr = single < 2 ? yo.n_raw : u_raw;
         const u32 ring0 = (single < 2 ? yo.first : lo) % a0.raw_cap;
         const int* const sel = single < 2 && yo.indexed ? yo.a.selected : nullptr;
@@ -863,7 +928,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
             const bool raw = u < nr;
             u32 i = raw ? ring0 + u : u - nr;
             if (raw && i >= a0.raw_cap) i -= a0.raw_cap;
-            if (!raw && sel) i = (u32)sel[i];
+            if (!raw) i = sel ? (u32)sel[i] : single == 2 ? ucomp[i] : i;
             // A selected index is a non-negative int (the shared universe checks it; the row
             // alone reads it as `attention` does).
             return (raw ? a0.raw : a0.comp) + (u64)i * head_dim;

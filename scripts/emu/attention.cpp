@@ -179,6 +179,14 @@ int main(int argc, char** argv) {
         {"lists not ascending: rows alone", 5, 36, 16, 40, 2, 40, 6, true, 8, false, 7, 7, 23, true},
         {"flash heads, 2 rows indexer 512", 64, 512, 128, 136, 4, 600, 512, true, 64, true, 2, 2, 2100},
 #endif
+#ifdef EMU_ATTN_ROWS2
+        // attention_rows2 shares the union of the two rows' compressed rows: two picks of 512 from
+        // 4,096 (past attention_rows' table), every row of a long ratio-128 cache, and more
+        // compressed rows than its bitmap holds (each row alone).
+        {"union of two picks from 4096", 4, 32, 128, 136, 4, 4200, 512, true, 8, true, 4, 4, 16384},
+        {"union: 1562 rows, no indexer", 3, 16, 128, 136, 128, 1600, 512, false, 4, false, 3, 3, 200000},
+        {"union past the bitmap: rows alone", 2, 8, 16, 24, 2, 70000, 16, true, 0, false, 3, 3, 140000},
+#endif
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     int bad = 0;

@@ -214,6 +214,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
     *p = o + v;
     return o;
 }
+inline unsigned atomicOr(unsigned* p, unsigned v) {
+    const unsigned o = *p;
+    *p = o | v;
+    return o;
+}
 inline int atomicMax(int* p, int v) {
     const int o = *p;
     if (v > o) *p = v;
