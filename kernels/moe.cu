@@ -1873,10 +1873,12 @@ __device__ __forceinline__ TileLeaves tile_leaves(u32 nb) {
     lv.step = 1u << ((u32)(m <= 1) + (u32)(m <= 2) + (u32)(m <= 4) + (u32)(m <= 8) + (u32)(m <= 16));
     return lv;
 }
+// leaf_block by one bit reversal of the whole word (leaf bits 0-4 land at 31-27).
+__device__ __forceinline__ u32 tile_leaf_block(u32 L) { return (L & ~31u) + (__brev(L) >> 27); }
 // next_leaf for an existing leaf L, stepping on its chunk's grid (a chunk's leaf 0 always exists).
 __device__ __forceinline__ u32 tile_next_leaf(u32 L, const TileLeaves& lv) {
     do L += L >= lv.last ? lv.step : 1;
-    while (L < lv.end && leaf_block(L) >= lv.nb);
+    while (L < lv.end && tile_leaf_block(L) >= lv.nb);
     return L;
 }
 
@@ -1940,7 +1942,7 @@ __device__ __forceinline__ void tile_stage(u8* act, float* actd, const BlockQ8K*
 #pragma unroll
     for (u32 s = 0; s < MOE_TILE_S; s++) {
         if (L >= lv.end) break;  // uniform
-        const u64 at = (u64)leaf_block(L) * sizeof(BlockQ8K);
+        const u64 at = (u64)tile_leaf_block(L) * sizeof(BlockQ8K);
 #pragma unroll
         for (u32 k = 0; k < MOE_TILE_CPT; k++)
             if (src[k]) tile_cp_async16(act + s * MOE_TILE_COLS * MOE_TILE_STRIDE + dst[k], src[k] + at);
@@ -2021,22 +2023,37 @@ __device__ __forceinline__ void tile_block(const TileWeights& w, const u8* xs, c
     }
 }
 
-// Block b (leaf L) of a pass of `tiles` tiles (1..NT), into the tree and the totals.
-template <int NT>
+// Block b (leaf L) of a pass of `tiles` tiles (1..NT), into the tree (LO: tile_tree's) and the
+// totals.
+template <int NT, int LO>
 __device__ __forceinline__ void tile_leaf(u32 tiles, const TileWeights& w, const u8* xs, const float* xd, u32 L,
                                           u32 nb, float (*pend)[4 * MOE_TILE_T], float* total) {
     if (NT > 1 && tiles < NT) {
-        tile_leaf<(NT > 1 ? NT - 1 : 1)>(tiles, w, xs, xd, L, nb, pend, total);
+        tile_leaf<(NT > 1 ? NT - 1 : 1), LO>(tiles, w, xs, xd, L, nb, pend, total);
         return;
     }
     float v[4 * NT];
     tile_block<NT>(w, xs, xd, v);
-    const u32 m = min(nb - (L & ~31u), 32u);
-    const bool done = m <= 8 ? tile_tree<4 * NT, 4 * MOE_TILE_T, 2>(pend, v, L & 31, m)
-                             : tile_tree<4 * NT, 4 * MOE_TILE_T, 0>(pend, v, L & 31, m);
-    if (done)
+    if (tile_tree<4 * NT, 4 * MOE_TILE_T, LO>(pend, v, L & 31, min(nb - (L & ~31u), 32u)))
 #pragma unroll
         for (int q = 0; q < 4 * NT; q++) total[q] += v[q];
+}
+
+// Leaf *L (staged at xs, xd) with the weights in cur: loads the next leaf's (*Ln) into nxt and
+// prefetches the one after into L2 (pf: the quants of row g or g + 8, lanes t < 2), computes,
+// and moves both cursors on one leaf.
+template <int LO>
+__device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& wb, const u8* pf, const TileWeights& cur, TileWeights& nxt,
+                                          u32* L, u32* Ln, const TileLeaves& lv, bool live, u32 tiles, const u8* xs,
+                                          const float* xd, float (*pend)[4 * MOE_TILE_T], float* total) {
+    const u32 Ln2 = *Ln < lv.end ? tile_next_leaf(*Ln, lv) : lv.end;
+    if (live) {
+        if (*Ln < lv.end) nxt = tile_weights(wa, wb, tile_leaf_block(*Ln));
+        if ((threadIdx.x & 3) < 2 && Ln2 < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln2) * 64);
+        tile_leaf<MOE_TILE_T, LO>(tiles, cur, xs, xd, *L, lv.nb, pend, total);
+    }
+    *L = *Ln;
+    *Ln = Ln2;
 }
 
 // Q2_K down for every pair of each expert, into parts[slot] of the pair's row: blocks go (row
@@ -2044,13 +2061,13 @@ __device__ __forceinline__ void tile_leaf(u32 tiles, const TileWeights& w, const
 // stages and keeps the barriers), the same bits. Per pass: the pairs' rows (colx), then rounds of
 // staged activations; per existing block in leaf order, the lane's weights of rows g and g + 8
 // (loaded a block ahead; L2 prefetched two ahead) go to every tile.
-extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
-    ds4_wait_predecessor();
+// The kernel's body: LO = 2 when every chunk has at most 8 blocks (Flash: one of 8), so that the
+// tree's levels 0 and 1 take no registers there; LO = 0 for any row.
+// Shared: act (MOE_TILE_S x MOE_TILE_COLS staged blocks), actd (their d), colx (the pass's pair rows).
+template <int LO>
+__device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const MoeDownGroupedArgs& a, u8* act,
+                                                   float* actd, const BlockQ8K** colx) {
     const u32 e = blockIdx.x % a.n_expert;
-    if (a.route[e] == 0) return;
-    __shared__ __align__(16) u8 act[MOE_TILE_S * MOE_TILE_COLS * MOE_TILE_STRIDE];
-    __shared__ __align__(8) float actd[MOE_TILE_S * MOE_TILE_COLS];
-    __shared__ const BlockQ8K* colx[MOE_TILE_COLS];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 r0 = (blockIdx.x / a.n_expert * 8 + warp) * MOE_MMA_DOWN_ROWS;
     const bool live = r0 < a.out_dim;
@@ -2058,7 +2075,6 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile
     const TileLeaves lv = tile_leaves(nb);
     const ExpertRow wa = expert_row(a.down, 10, e, (u64)min(r0 + g, a.out_dim - 1) * nb);
     const ExpertRow wb = expert_row(a.down, 10, e, (u64)min(r0 + g + 8, a.out_dim - 1) * nb);
-    // Lanes (g, 0), (g, 1) prefetch rows g, g + 8 into L2 two blocks ahead (the quants).
     const u8* pf = t == 0 ? wa.qs : wb.qs;
     const u32* pairs;
     const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
@@ -2067,34 +2083,25 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile
         __syncthreads();  // the previous pass has finished with colx and the staged rounds
         // A column past the pairs repeats the last pair (its outputs are not written).
         if (threadIdx.x < 8 * tiles) colx[threadIdx.x] = down_pair_x(a, R, pairs[min(i0 + threadIdx.x, n - 1)]);
-        TileWeights w = {};
+        // Block 0's weights; leaf L (block 0 exists: nb >= 1), the next Ln.
+        u32 L = 0, Ln = tile_next_leaf(0, lv);
+        TileWeights w0 = {};
         if (live) {
-            w = tile_weights(wa, wb, 0);
-            const u32 Lp = tile_next_leaf(0, lv);
-            if (t < 2 && Lp < lv.end) moe2_prefetch_l2(pf + (u64)leaf_block(Lp) * 64);
+            w0 = tile_weights(wa, wb, 0);
+            if (t < 2 && Ln < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln) * 64);
         }
         float total[4 * MOE_TILE_T], pend[5][4 * MOE_TILE_T];
 #pragma unroll
         for (int q = 0; q < 4 * MOE_TILE_T; q++) total[q] = 0.0f;
-        u32 L = 0;  // block 0 exists: nb >= 1
         while (L < lv.end) {
             __syncthreads();  // colx is written; the last round is done with the buffers
             tile_stage(act, actd, colx, L, lv, 8 * tiles);
             __syncthreads();
 #pragma unroll 1
             for (u32 s = 0; s < MOE_TILE_S && L < lv.end; s++) {
-                const u32 next = tile_next_leaf(L, lv);
-                if (live) {
-                    const TileWeights cw = w;
-                    if (next < lv.end) {
-                        w = tile_weights(wa, wb, leaf_block(next));
-                        const u32 n2 = tile_next_leaf(next, lv);
-                        if (t < 2 && n2 < lv.end) moe2_prefetch_l2(pf + (u64)leaf_block(n2) * 64);
-                    }
-                    tile_leaf<MOE_TILE_T>(tiles, cw, act + s * MOE_TILE_COLS * MOE_TILE_STRIDE, actd + s * MOE_TILE_COLS,
-                                          L, nb, pend, total);
-                }
-                L = next;
+                const TileWeights cw = w0;
+                tile_step<LO>(wa, wb, pf, cw, w0, &L, &Ln, lv, live, tiles, act + s * MOE_TILE_COLS * MOE_TILE_STRIDE,
+                          actd + s * MOE_TILE_COLS, pend, total);
             }
         }
         if (!live) continue;
@@ -2113,6 +2120,16 @@ extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
+    ds4_wait_predecessor();
+    if (a.route[blockIdx.x % a.n_expert] == 0) return;
+    __shared__ __align__(16) u8 act[MOE_TILE_S * MOE_TILE_COLS * MOE_TILE_STRIDE];
+    __shared__ __align__(8) float actd[MOE_TILE_S * MOE_TILE_COLS];
+    __shared__ const BlockQ8K* colx[MOE_TILE_COLS];
+    if (a.ff / 256 <= 8) moe_down_tile_body<2>(R, a, act, actd, colx);
+    else moe_down_tile_body<0>(R, a, act, actd, colx);
 }
 #endif
 #endif
