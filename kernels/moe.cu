@@ -2043,9 +2043,10 @@ __device__ __forceinline__ void tile_leaf(u32 tiles, const TileWeights& w, const
 // prefetches the one after into L2 (pf: the quants of row g or g + 8, lanes t < 2), computes,
 // and moves both cursors on one leaf.
 template <int LO>
-__device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& wb, const u8* pf, const TileWeights& cur, TileWeights& nxt,
-                                          u32* L, u32* Ln, const TileLeaves& lv, bool live, u32 tiles, const u8* xs,
-                                          const float* xd, float (*pend)[4 * MOE_TILE_T], float* total) {
+__device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& wb, const u8* pf,
+                                          const TileWeights& cur, TileWeights& nxt, u32* L, u32* Ln,
+                                          const TileLeaves& lv, bool live, u32 tiles, const u8* xs, const float* xd,
+                                          float (*pend)[4 * MOE_TILE_T], float* total) {
     const u32 Ln2 = *Ln < lv.end ? tile_next_leaf(*Ln, lv) : lv.end;
     if (live) {
         if (*Ln < lv.end) nxt = tile_weights(wa, wb, tile_leaf_block(*Ln));
@@ -2056,14 +2057,8 @@ __device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& 
     *Ln = Ln2;
 }
 
-// Q2_K down for every pair of each expert, into parts[slot] of the pair's row: blocks go (row
-// block, expert) as moe_down_mma_q2_k's, a warp per 16 output rows (a warp past out_dim only
-// stages and keeps the barriers), the same bits. Per pass: the pairs' rows (colx), then rounds of
-// staged activations; per existing block in leaf order, the lane's weights of rows g and g + 8
-// (loaded a block ahead; L2 prefetched two ahead) go to every tile.
-// The kernel's body: LO = 2 when every chunk has at most 8 blocks (Flash: one of 8), so that the
-// tree's levels 0 and 1 take no registers there; LO = 0 for any row.
-// Shared: act (MOE_TILE_S x MOE_TILE_COLS staged blocks), actd (their d), colx (the pass's pair rows).
+// The kernel's body (below), LO: tile_tree's. Shared: act (MOE_TILE_S x MOE_TILE_COLS staged
+// blocks), actd (their d), colx (the pass's pair rows).
 template <int LO>
 __device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const MoeDownGroupedArgs& a, u8* act,
                                                    float* actd, const BlockQ8K** colx) {
@@ -2100,8 +2095,8 @@ __device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const Mo
 #pragma unroll 1
             for (u32 s = 0; s < MOE_TILE_S && L < lv.end; s++) {
                 const TileWeights cw = w0;
-                tile_step<LO>(wa, wb, pf, cw, w0, &L, &Ln, lv, live, tiles, act + s * MOE_TILE_COLS * MOE_TILE_STRIDE,
-                          actd + s * MOE_TILE_COLS, pend, total);
+                tile_step<LO>(wa, wb, pf, cw, w0, &L, &Ln, lv, live, tiles,
+                              act + s * MOE_TILE_COLS * MOE_TILE_STRIDE, actd + s * MOE_TILE_COLS, pend, total);
             }
         }
         if (!live) continue;
@@ -2122,6 +2117,13 @@ __device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const Mo
     }
 }
 
+// Q2_K down for every pair of each expert, into parts[slot] of the pair's row: blocks go (row
+// block, expert) as moe_down_mma_q2_k's, a warp per 16 output rows (a warp past out_dim only
+// stages and keeps the barriers), the same bits. Per pass: the pairs' rows (colx), then rounds of
+// staged activations; per existing block in leaf order, the lane's weights of rows g and g + 8
+// (loaded a block ahead; L2 prefetched two ahead) go to every tile. The body is instantiated with
+// LO = 2 for rows of at most 8 blocks (Flash: 8), where the tree's levels 0 and 1 take no
+// registers (no spills in the loop); LO = 0 for any row.
 extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
     ds4_wait_predecessor();
     if (a.route[blockIdx.x % a.n_expert] == 0) return;
