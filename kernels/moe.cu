@@ -2145,5 +2145,300 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
         }
     }
 }
+
+// The third Q2_K down (plan.rs takes it with DS4_CUDA_MOE_DOWN=tile): moe_down_tile_q2_k. The tiles,
+// MMAs and integer block sums of moe_down_mma_q2_k, the same bits, with the work per pass cut:
+// a pass takes up to 8 MOE_TILE_T pairs; per block each lane builds its weight fragments once
+// and feeds them to every tile of the pass; the pass's activations (the pairs' mid Q8_K blocks, a
+// round of MOE_TILE_S blocks at a time) are staged in shared memory once for all 8 warps; and
+// only the blocks that exist go through the tree (tile_tree).
+
+// Tiles of 8 pairs per pass (more pairs: more passes) and blocks (leaves) per staging round:
+// 16 pairs of 8 blocks stage 41 KB (static shared memory stops at 48 KB). To measure others:
+// DS4_CUDA_DEFINES="MOE_TILE_T=1" (8 pairs a pass, no spills).
+#ifndef MOE_TILE_T
+#define MOE_TILE_T 2
+#endif
+#ifndef MOE_TILE_S
+#define MOE_TILE_S 8
+#endif
+#define MOE_TILE_COLS (8 * MOE_TILE_T)
+
+// The leaves of a row of nb blocks: chunks of 32 leaves up to `end`, the last from `last`. The
+// existing leaves of a chunk of m blocks lie on a grid of step 32 / P (P: m rounded up to a power
+// of two), since bit_reverse5(i) < m <= P clears i's low bits: 1 in a whole chunk, `step` in
+// the last.
+struct TileLeaves {
+    u32 nb, end, last, step;
+};
+__device__ __forceinline__ TileLeaves tile_leaves(u32 nb) {
+    TileLeaves lv;
+    lv.nb = nb;
+    lv.end = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK * DS4_BLOCK_CHUNK;
+    lv.last = lv.end - 32;
+    const u32 m = nb - lv.last;
+    lv.step = 1u << ((u32)(m <= 1) + (u32)(m <= 2) + (u32)(m <= 4) + (u32)(m <= 8) + (u32)(m <= 16));
+    return lv;
+}
+// leaf_block by one bit reversal of the whole word (leaf bits 0-4 land at 31-27).
+__device__ __forceinline__ u32 tile_leaf_block(u32 L) { return (L & ~31u) + (__brev(L) >> 27); }
+// next_leaf for an existing leaf L, stepping on its chunk's grid (a chunk's leaf 0 always exists).
+__device__ __forceinline__ u32 tile_next_leaf(u32 L, const TileLeaves& lv) {
+    do L += L >= lv.last ? lv.step : 1;
+    while (L < lv.end && tile_leaf_block(L) >= lv.nb);
+    return L;
+}
+
+// Adds the term v (N values) of leaf i (0..31) of a 32-block chunk whose first m blocks exist
+// to the pending sums, warp_sum's tree as tree32_leaf builds it, with the leaves of missing blocks
+// left out: such a leaf is +0 there, and x + 0 is x but for a zero's sign, which the chunk sums'
+// +0 start (total = 0 + chunk) absorbs, so the result has the same bits. A level-l node pairs
+// with its right sibling only if that holds a block (its first block is bit_reverse5 of its first
+// leaf); a left sibling always holds one. Levels below LO only pass v up (LO = 2 when m <= 8: the
+// leaves are multiples of 4). Returns true when v is the chunk's sum. (One exit, so that the
+// loop unrolls and pend stays in registers.)
+template <int N, int NP, int LO>
+__device__ __forceinline__ bool tile_tree(float (*pend)[NP], float* v, u32 i, u32 m) {
+    bool stored = false;
+#pragma unroll
+    for (u32 l = LO; l < 5; l++) {
+        if (stored) continue;
+        if ((i >> l) & 1) {
+#pragma unroll
+            for (int k = 0; k < N; k++) v[k] = pend[l][k] + v[k];
+        } else if (bit_reverse5((i & ~((2u << l) - 1)) | (1u << l)) < m) {
+#pragma unroll
+            for (int k = 0; k < N; k++) pend[l][k] = v[k];
+            stored = true;
+        }
+    }
+    return !stored;
+}
+
+// A pair's staged block: its first 128 bytes (chunk c = 0), 32 bytes of gap, the second 128, at
+// a stride of 320 bytes (64 modulo 128): the 8 lanes of a quarter warp's 128-bit loads (columns g
+// and g + 1, t = 0..3 at 16 t + 16 c) meet no bank twice.
+#define MOE_TILE_STRIDE 320
+#define MOE_TILE_C1 160
+
+// 16 (or 4) bytes from global to shared memory without passing through registers (as matvec.cu's
+// cp_async16, cp_async4: scripts/emu/gen.py maps the same asm to the emulator's copies).
+__device__ __forceinline__ void tile_cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void tile_cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void tile_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Stages the round of MOE_TILE_S existing leaves from leaf L for the pass's first cols8 columns
+// (pair rows colx): each pair's block (MOE_TILE_STRIDE) and its d, by cp.async; waits for them
+// (the caller's barrier then publishes them). A thread copies the same 16 bytes of every leaf.
+#define MOE_TILE_CPT ((MOE_TILE_COLS * 16 + 255) / 256)
+__device__ __forceinline__ void tile_stage(u8* act, float* actd, const BlockQ8K* const* colx, u32 L,
+                                           const TileLeaves& lv, u32 cols8) {
+    const u8* src[MOE_TILE_CPT];
+    u32 dst[MOE_TILE_CPT];
+#pragma unroll
+    for (u32 k = 0; k < MOE_TILE_CPT; k++) {
+        const u32 c = threadIdx.x + 256 * k, col = c / 16, qi = c % 16;
+        src[k] = c < MOE_TILE_COLS * 16 && col < cols8 ? (const u8*)colx[col]->qs + 16 * qi : 0;
+        dst[k] = col * MOE_TILE_STRIDE + 16 * qi + (qi >= 8 ? MOE_TILE_C1 - 128 : 0);
+    }
+    const u8* dsrc = threadIdx.x < cols8 ? (const u8*)&colx[threadIdx.x]->d : 0;
+#pragma unroll
+    for (u32 s = 0; s < MOE_TILE_S; s++) {
+        if (L >= lv.end) break;  // uniform
+        const u64 at = (u64)tile_leaf_block(L) * sizeof(BlockQ8K);
+#pragma unroll
+        for (u32 k = 0; k < MOE_TILE_CPT; k++)
+            if (src[k]) tile_cp_async16(act + s * MOE_TILE_COLS * MOE_TILE_STRIDE + dst[k], src[k] + at);
+        if (dsrc) tile_cp_async4(actd + s * MOE_TILE_COLS + threadIdx.x, dsrc + at);
+        L = tile_next_leaf(L, lv);
+    }
+    tile_cp_async_wait();
+}
+
+// The lane's weights of one block: quants, the scales of chunk c, d and dmin, of rows g and g + 8.
+struct TileWeights {
+    int4 qa, qb;
+    uint2 sa, sb;
+    u32 da, db;
+};
+__device__ __forceinline__ TileWeights tile_weights(const ExpertRow& wa, const ExpertRow& wb, u32 b) {
+    const u32 t = threadIdx.x & 3, c = t >> 1;
+    const u8* ra = wa.rest + (u64)b * Layout<10>::RS;
+    const u8* rb = wb.rest + (u64)b * Layout<10>::RS;
+    TileWeights w;
+    w.qa = __ldg((const int4*)(wa.qs + (u64)b * 64 + 16 * t));
+    w.qb = __ldg((const int4*)(wb.qs + (u64)b * 64 + 16 * t));
+    w.sa = moe2_scales8(ra + 8 * c);
+    w.sb = moe2_scales8(rb + 8 * c);
+    w.da = __ldg((const u32*)(ra + Layout<10>::Q2K_D));
+    w.db = __ldg((const u32*)(rb + Layout<10>::Q2K_D));
+    return w;
+}
+
+// One block of NT tiles: q2_k_mma_block's MMAs with each weight fragment built once for every
+// tile (xs: the block's staged columns, xd their d), then q2_k_term of each (row, pair) without
+// its 0 + (the leaf's +0, absorbed as in tile_tree): v[4 j + k] is d[k] of tile j.
+template <int NT>
+__device__ __forceinline__ void tile_block(const TileWeights& w, const u8* xs, const float* xd, float* v) {
+    const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = t >> 1, h = t & 1;
+    int is[NT][4], sm[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) is[j][q] = sm[j][q] = 0;
+#pragma unroll
+    for (u32 jp = 0; jp < 4; jp++) {
+        const u32 sh = 8 * ((2 * jp + h) & 3);
+        const u32 sca = ((jp < 2 ? w.sa.x : w.sa.y) >> sh) & 255, scb = ((jp < 2 ? w.sb.x : w.sb.y) >> sh) & 255;
+        const u32 ka = sca & 15, kb = scb & 15;
+        const u32 mins[4] = {(sca >> 4) * 0x01010101u, (scb >> 4) * 0x01010101u, (sca >> 4) * 0x01010101u,
+                             (scb >> 4) * 0x01010101u};
+        // Both halves' activations of each column in one 128-bit load.
+        int4 xv[NT];
+#pragma unroll
+        for (u32 j = 0; j < NT; j++)
+            xv[j] = *(const int4*)(xs + (8 * j + g) * MOE_TILE_STRIDE + MOE_TILE_C1 * c + 32 * jp + 16 * h);
+#pragma unroll
+        for (u32 half = 0; half < 2; half++) {
+            const u32 a0 = (u32)(half ? w.qa.z : w.qa.x), a1 = (u32)(half ? w.qa.w : w.qa.y);
+            const u32 b0 = (u32)(half ? w.qb.z : w.qb.x), b1 = (u32)(half ? w.qb.w : w.qb.y);
+            const u32 wf[4] = {((a0 >> (2 * jp)) & 0x03030303u) * ka, ((b0 >> (2 * jp)) & 0x03030303u) * kb,
+                               ((a1 >> (2 * jp)) & 0x03030303u) * ka, ((b1 >> (2 * jp)) & 0x03030303u) * kb};
+#pragma unroll
+            for (u32 j = 0; j < NT; j++) {
+                const u32 xb[2] = {(u32)(half ? xv[j].z : xv[j].x), (u32)(half ? xv[j].w : xv[j].y)};
+                mma_s8_k32(is[j], wf, xb);
+                mma_s8_k32(sm[j], mins, xb);
+            }
+        }
+    }
+    const float hda = h2f((u16)(w.da & 0xffff)), hma = h2f((u16)(w.da >> 16));
+    const float hdb = h2f((u16)(w.db & 0xffff)), hmb = h2f((u16)(w.db >> 16));
+#pragma unroll
+    for (u32 j = 0; j < NT; j++) {
+        const float2 y = *(const float2*)(xd + 8 * j + 2 * t);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float yd = q & 1 ? y.y : y.x;
+            const float d = yd * (q < 2 ? hda : hdb), dmin = yd * (q < 2 ? hma : hmb);
+            v[4 * j + q] = d * (float)is[j][q] - dmin * (float)sm[j][q];
+        }
+    }
+}
+
+// Block b (leaf L) of a pass of `tiles` tiles (1..NT), into the tree (LO: tile_tree's) and the
+// totals.
+template <int NT, int LO>
+__device__ __forceinline__ void tile_leaf(u32 tiles, const TileWeights& w, const u8* xs, const float* xd, u32 L,
+                                          u32 nb, float (*pend)[4 * MOE_TILE_T], float* total) {
+    if (NT > 1 && tiles < NT) {
+        tile_leaf<(NT > 1 ? NT - 1 : 1), LO>(tiles, w, xs, xd, L, nb, pend, total);
+        return;
+    }
+    float v[4 * NT];
+    tile_block<NT>(w, xs, xd, v);
+    if (tile_tree<4 * NT, 4 * MOE_TILE_T, LO>(pend, v, L & 31, min(nb - (L & ~31u), 32u)))
+#pragma unroll
+        for (int q = 0; q < 4 * NT; q++) total[q] += v[q];
+}
+
+// Leaf *L (staged at xs, xd) with the weights in cur: loads the next leaf's (*Ln) into nxt and
+// prefetches the one after into L2 (pf: the quants of row g or g + 8, lanes t < 2), computes,
+// and moves both cursors on one leaf.
+template <int LO>
+__device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& wb, const u8* pf,
+                                          const TileWeights& cur, TileWeights& nxt, u32* L, u32* Ln,
+                                          const TileLeaves& lv, bool live, u32 tiles, const u8* xs, const float* xd,
+                                          float (*pend)[4 * MOE_TILE_T], float* total) {
+    const u32 Ln2 = *Ln < lv.end ? tile_next_leaf(*Ln, lv) : lv.end;
+    if (live) {
+        if (*Ln < lv.end) nxt = tile_weights(wa, wb, tile_leaf_block(*Ln));
+        if ((threadIdx.x & 3) < 2 && Ln2 < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln2) * 64);
+        tile_leaf<MOE_TILE_T, LO>(tiles, cur, xs, xd, *L, lv.nb, pend, total);
+    }
+    *L = *Ln;
+    *Ln = Ln2;
+}
+
+// The kernel's body (below), LO: tile_tree's. Shared: act (MOE_TILE_S x MOE_TILE_COLS staged
+// blocks), actd (their d), colx (the pass's pair rows).
+template <int LO>
+__device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const MoeDownGroupedArgs& a, u8* act,
+                                                   float* actd, const BlockQ8K** colx) {
+    const u32 e = blockIdx.x % a.n_expert;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 r0 = (blockIdx.x / a.n_expert * 8 + warp) * MOE_MMA_DOWN_ROWS;
+    const bool live = r0 < a.out_dim;
+    const u32 nb = a.ff / 256;
+    const TileLeaves lv = tile_leaves(nb);
+    const ExpertRow wa = expert_row(a.down, 10, e, (u64)min(r0 + g, a.out_dim - 1) * nb);
+    const ExpertRow wb = expert_row(a.down, 10, e, (u64)min(r0 + g + 8, a.out_dim - 1) * nb);
+    const u8* pf = t == 0 ? wa.qs : wb.qs;
+    const u32* pairs;
+    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
+    for (u32 i0 = 0; i0 < n; i0 += MOE_TILE_COLS) {
+        const u32 tiles = (min(n - i0, (u32)MOE_TILE_COLS) + 7) / 8;
+        __syncthreads();  // the previous pass has finished with colx and the staged rounds
+        // A column past the pairs repeats the last pair (its outputs are not written).
+        if (threadIdx.x < 8 * tiles) colx[threadIdx.x] = down_pair_x(a, R, pairs[min(i0 + threadIdx.x, n - 1)]);
+        // Block 0's weights; leaf L (block 0 exists: nb >= 1), the next Ln.
+        u32 L = 0, Ln = tile_next_leaf(0, lv);
+        TileWeights w0 = {};
+        if (live) {
+            w0 = tile_weights(wa, wb, 0);
+            if (t < 2 && Ln < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln) * 64);
+        }
+        float total[4 * MOE_TILE_T], pend[5][4 * MOE_TILE_T];
+#pragma unroll
+        for (int q = 0; q < 4 * MOE_TILE_T; q++) total[q] = 0.0f;
+        while (L < lv.end) {
+            __syncthreads();  // colx is written; the last round is done with the buffers
+            tile_stage(act, actd, colx, L, lv, 8 * tiles);
+            __syncthreads();
+#pragma unroll 1
+            for (u32 s = 0; s < MOE_TILE_S && L < lv.end; s++) {
+                const TileWeights cw = w0;
+                tile_step<LO>(wa, wb, pf, cw, w0, &L, &Ln, lv, live, tiles,
+                              act + s * MOE_TILE_COLS * MOE_TILE_STRIDE, actd + s * MOE_TILE_COLS, pend, total);
+            }
+        }
+        if (!live) continue;
+#pragma unroll
+        for (u32 j = 0; j < MOE_TILE_T; j++) {
+#pragma unroll
+            for (u32 jj = 0; jj < 2; jj++) {
+                const u32 q = i0 + 8 * j + 2 * t + jj;
+                if (q >= n) break;
+                const u32 p = pairs[q], slot = p % a.n_used;
+                MoeDownGroupedArgs ay = a;
+                ds4_row(ay, R, p / a.n_used);
+                float* parts = ay.parts + (u64)slot * a.out_dim;
+                if (r0 + g < a.out_dim) parts[r0 + g] = total[4 * j + jj];
+                if (r0 + g + 8 < a.out_dim) parts[r0 + g + 8] = total[4 * j + 2 + jj];
+            }
+        }
+    }
+}
+
+// Q2_K down for every pair of each expert, into parts[slot] of the pair's row: blocks go (row
+// block, expert) as moe_down_mma_q2_k's, a warp per 16 output rows (a warp past out_dim only
+// stages and keeps the barriers), the same bits. Per pass: the pairs' rows (colx), then rounds of
+// staged activations; per existing block in leaf order, the lane's weights of rows g and g + 8
+// (loaded a block ahead; L2 prefetched two ahead) go to every tile. The body is instantiated with
+// LO = 2 for rows of at most 8 blocks (Flash: 8), where the tree's levels 0 and 1 take no
+// registers (no spills in the loop); LO = 0 for any row.
+extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
+    ds4_wait_predecessor();
+    if (a.route[blockIdx.x % a.n_expert] == 0) return;
+    __shared__ __align__(16) u8 act[MOE_TILE_S * MOE_TILE_COLS * MOE_TILE_STRIDE];
+    __shared__ __align__(8) float actd[MOE_TILE_S * MOE_TILE_COLS];
+    __shared__ const BlockQ8K* colx[MOE_TILE_COLS];
+    if (a.ff / 256 <= 8) moe_down_tile_body<2>(R, a, act, actd, colx);
+    else moe_down_tile_body<0>(R, a, act, actd, colx);
+}
 #endif
 #endif

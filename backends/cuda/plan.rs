@@ -175,7 +175,7 @@ pub enum ChunkExperts {
 /// experts grouped by expert). A kernel missing here is launched over `blockIdx.y` 0..rows and
 /// every row's blocks redo all of it (same writes: exact, but rows times slower); the plan tests
 /// check that every grouped expert kernel is listed.
-pub const ALL_ROWS_KERNELS: [&str; 9] = [
+pub const ALL_ROWS_KERNELS: [&str; 10] = [
     "moe_route",
     "moe_gate_up_grouped",
     "moe_gate_up_grouped_iq2_xxs",
@@ -185,6 +185,7 @@ pub const ALL_ROWS_KERNELS: [&str; 9] = [
     "moe_gate_up_mma2_iq2_xxs",
     "moe_down_mma2_q2_k",
     "moe_gate_up_tile_iq2_xxs",
+    "moe_down_tile_q2_k",
 ];
 
 /// The IQ2_XXS gate/up that decodes each weight once per pass of many pairs (kernels/moe.cu); it
@@ -206,6 +207,8 @@ struct Builder<'a> {
     fuse: bool,
     /// How a chunk program's routed experts run.
     experts: ChunkExperts,
+    /// Whether a tensor-core chunk takes its Q2_K down from `moe_down_tile_q2_k`.
+    down_tile: bool,
     /// Ops already computed by an earlier op's launch.
     done: Vec<bool>,
     launches: Vec<Launch>,
@@ -378,8 +381,13 @@ impl<'a> Builder<'a> {
         if mma && down_ty == GgmlType::Q2_K as u32 {
             // A warp per 16 output rows of an expert, 8 warps a block.
             self.launch(n_expert * blocks(out_dim.div_ceil(MOE_MMA_DOWN_ROWS), 8), 256, d);
-            self.launches.last_mut().expect("just launched").kernel =
-                if mma2 { "moe_down_mma2_q2_k" } else { "moe_down_mma_q2_k" };
+            self.launches.last_mut().expect("just launched").kernel = if self.down_tile {
+                "moe_down_tile_q2_k"
+            } else if mma2 {
+                "moe_down_mma2_q2_k"
+            } else {
+                "moe_down_mma_q2_k"
+            };
         } else {
             // A warp per two output rows of an expert, 8 warps a block.
             self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
@@ -1418,6 +1426,24 @@ pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, S
 
 /// [`plan`], choosing how a chunk program runs its routed experts (the same bits every way).
 pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, experts: ChunkExperts) -> Result<Plan, String> {
+    plan_experts_down(program, fuse, expert_cache, experts, moe_down_tile())
+}
+
+/// Whether the tensor-core experts take their Q2_K down from `moe_down_tile_q2_k` (kernels/moe.cu:
+/// each weight fragment built once for 16 pairs, the activations staged in shared memory; the
+/// same bits): `DS4_CUDA_MOE_DOWN=tile`, to measure; otherwise `moe_down_mma_q2_k` (or `mma2`).
+pub fn moe_down_tile() -> bool {
+    env_is("DS4_CUDA_MOE_DOWN", "tile")
+}
+
+/// [`plan_experts`] with the Q2_K down kernel given (`down_tile`: [`moe_down_tile`]).
+pub fn plan_experts_down(
+    program: &Program,
+    fuse: bool,
+    expert_cache: bool,
+    experts: ChunkExperts,
+    down_tile: bool,
+) -> Result<Plan, String> {
     if program.rows() > 1 && expert_cache {
         return Err("a chunk program cannot run with the expert cache (placement host)".into());
     }
@@ -1426,6 +1452,7 @@ pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, experts: 
         fuse,
         expert_cache,
         experts,
+        down_tile,
         moe_layers: 0,
         done: vec![false; program.steps().len()],
         group: Vec::new(),
@@ -1676,12 +1703,15 @@ mod tests {
             let rows = 64;
             let chunk = crate::decode::record(&model, Caps { ctx: 256 }, rows, rows).unwrap();
             let grouped = plan(&chunk, true, false).unwrap();
-            for (mode, gate_up, down) in [
-                (ChunkExperts::GroupedMma, "moe_gate_up_mma_iq2_xxs", "moe_down_mma_q2_k"),
-                (ChunkExperts::GroupedMma2, "moe_gate_up_mma2_iq2_xxs", "moe_down_mma2_q2_k"),
-                (ChunkExperts::GroupedMmaTile, GATE_UP_TILE_KERNEL, "moe_down_mma_q2_k"),
+            for (mode, tile, gate_up, down) in [
+                (ChunkExperts::GroupedMma, false, "moe_gate_up_mma_iq2_xxs", "moe_down_mma_q2_k"),
+                (ChunkExperts::GroupedMma2, false, "moe_gate_up_mma2_iq2_xxs", "moe_down_mma2_q2_k"),
+                (ChunkExperts::GroupedMmaTile, false, GATE_UP_TILE_KERNEL, "moe_down_mma_q2_k"),
+                (ChunkExperts::GroupedMma, true, "moe_gate_up_mma_iq2_xxs", "moe_down_tile_q2_k"),
+                (ChunkExperts::GroupedMma2, true, "moe_gate_up_mma2_iq2_xxs", "moe_down_tile_q2_k"),
+                (ChunkExperts::GroupedMmaTile, true, GATE_UP_TILE_KERNEL, "moe_down_tile_q2_k"),
             ] {
-                let mma = plan_experts(&chunk, true, false, mode).unwrap();
+                let mma = plan_experts_down(&chunk, true, false, mode, tile).unwrap();
                 assert_eq!(grouped.launches.len(), mma.launches.len());
                 let mut seen = 0;
                 for (g, m) in grouped.launches.iter().zip(&mma.launches) {

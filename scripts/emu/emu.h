@@ -184,6 +184,11 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned __brev(unsigned x) {
+    unsigned r = 0;
+    for (int i = 0; i < 32; i++) r |= ((x >> i) & 1u) << (31 - i);
+    return r;
+}
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 // PTX prmt.b32 (default mode): byte n of the result is byte c_n & 7 of b:a (a the low four), or
 // that byte's sign bit replicated when bit 3 of c_n, the selector's nibble n, is set.

@@ -430,6 +430,124 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
 }
 #endif
 
+#if !DS4_NATIVE_BLOCKS
+// moe_down_tile_q2_k against moe_down_mma_q2_k (split layout): the same random mid Q8_K and
+// routing (moe_route) into both, parts compared bit for bit for every (row, slot) and output row,
+// rows past the tokens left unwritten. counts: pairs per expert as in Config (empty: random).
+struct DownTileConfig {
+    u32 ff, out_dim, n_expert, n_used, rows, active;
+    std::vector<u32> counts;
+};
+static int down_tile_check(const DownTileConfig& c) {
+    const u32 nb = c.ff / 256;
+    Experts down(10, c.n_expert, c.out_dim, nb, false);
+    // Zero scales (d, dmin of +-0) on every block of some rows and one block of others: terms of
+    // +-0 check that leaving out the missing leaves changes no zero's sign in the result.
+    for (u32 e = 0; e < c.n_expert; e++)
+        for (u32 r = 0; r < c.out_dim; r++)
+            for (u32 b = 0; b < nb; b++)
+                if (r % 3 == 1 || (r % 5 == 2 && b == r % nb)) {
+                    const unsigned short z[2] = {(unsigned short)(b & 1 ? 0x8000 : 0), (unsigned short)(r & 1 ? 0x8000 : 0)};
+                    memcpy((unsigned char*)down.table[2 * e + 1] + ((u64)r * nb + b) * 20 + 16, z, 4);
+                }
+    std::vector<StepParams> P(c.rows);
+    for (u32 y = 0; y < c.rows; y++) P[y] = StepParams{rnd() % 1000, 100 + y, 0, y < c.active ? 1u : 0u};
+    const u64 cond = 1ull << 63;
+    RowBuf SEL(c.n_used * 4, c.rows, 0), MQ((size_t)c.n_used * nb * sizeof(BlockQ8K), c.rows, 0);
+    std::vector<int> list;
+    for (u32 e = 0; e < c.counts.size(); e++) list.insert(list.end(), c.counts[e], (int)e);
+    if (!c.counts.empty() && list.size() != (size_t)c.active * c.n_used) abort();
+    for (u32 y = 0; y < c.rows; y++) {
+        BlockQ8K* x = MQ.row<BlockQ8K>(y);
+        for (u32 b = 0; b < c.n_used * nb; b++) {
+            for (int i = 0; i < 256; i++) x[b].qs[i] = (i8)(int)(rnd() % 255 - 127);
+            for (int j = 0; j < 16; j++) {
+                int s = 0;
+                for (int i = 0; i < 16; i++) s += x[b].qs[16 * j + i];
+                x[b].bsums[j] = (i16)s;
+            }
+            x[b].d = frand(1e-3f, 3e-2f);
+        }
+        int* sel = SEL.row<int>(y);
+        for (u32 s = 0; s < c.n_used; s++) {
+            if (y >= c.active) sel[s] = 1 << 30;  // never read
+            else if (!c.counts.empty()) sel[s] = list[s * c.active + y];
+            else
+                for (;;) {
+                    const int e = (int)(rnd() % c.n_expert);
+                    bool dup = false;
+                    for (u32 k = 0; k < s; k++) dup |= sel[k] == e;
+                    if (!dup) {
+                        sel[s] = e;
+                        break;
+                    }
+                }
+        }
+    }
+    auto P0 = P.data();
+    RowBuf route((2 * c.n_expert + c.rows * c.n_used) * 4, c.rows);
+    MoeRouteArgs r{(const int*)SEL.ptr(), (u32*)route.ptr(), c.n_expert, c.n_used, c.rows, 0};
+    const RowStrides RR = row_strides({SEL.stride, route.stride});
+    emu_launch({1, 1, 1}, 1024, [&] { moe_route(P0, cond, RR, r); });
+    const size_t parts_bytes = (size_t)c.n_used * c.out_dim * 4;
+    RowBuf parts_old(parts_bytes, c.rows), parts_new(parts_bytes, c.rows);
+    MoeDownGroupedArgs d{};
+    d.midq = (const BlockQ8K*)MQ.ptr();
+    d.down = (const u64*)down.table.data();
+    d.route = (const u32*)route.ptr();
+    d.down_ty = 10;
+    d.ff = c.ff;
+    d.out_dim = c.out_dim;
+    d.n_used = c.n_used;
+    d.n_expert = c.n_expert;
+    const emu_dim3 grid{c.n_expert * blocks_of((c.out_dim + MOE_MMA_DOWN_ROWS - 1) / MOE_MMA_DOWN_ROWS, 8), 1, 1};
+    d.parts = (float*)parts_old.ptr();
+    const RowStrides RO = row_strides({MQ.stride, 0, parts_old.stride, 0, route.stride});
+    emu_launch(grid, 256, [&] { moe_down_mma_q2_k(P0, cond, RO, d); });
+    d.parts = (float*)parts_new.ptr();
+    const RowStrides RN = row_strides({MQ.stride, 0, parts_new.stride, 0, route.stride});
+    emu_launch(grid, 256, [&] { moe_down_tile_q2_k(P0, cond, RN, d); });
+    int bad = 0;
+    u32 most = 0, nonzero = 0, negzero = 0;
+    for (u32 e = 0; e < c.n_expert; e++) most = std::max(most, route.row<u32>(0)[e]);
+    for (u32 y = 0; y < c.rows; y++)
+        for (u32 i = 0; i < c.n_used * c.out_dim; i++) {
+            const u32 o = parts_old.row<u32>(y)[i], n = parts_new.row<u32>(y)[i];
+            if (o != n || (y >= c.active && n != 0xababababu)) {
+                if (bad < 20) printf("  row %u slot %u out %u: %08x vs %08x\n", y, i / c.out_dim, i % c.out_dim, o, n);
+                bad++;
+            }
+            nonzero += y < c.active && o != 0 && o != 0x80000000u;
+            negzero += y < c.active && o == 0x80000000u;
+        }
+    printf("down tile against mma: ff %u out %u experts %u used %u rows %u/%u (most pairs %u): %s (%u of %u parts "
+           "nonzero, %u -0)\n",
+           c.ff, c.out_dim, c.n_expert, c.n_used, c.active, c.rows, most, bad ? "DIFFER" : "same bits", nonzero,
+           c.active * c.n_used * c.out_dim, negzero);
+    return bad;
+}
+#endif
+
+#if !DS4_NATIVE_BLOCKS
+// The tile down's configurations: Flash's ff (8 blocks) with experts of 0, 1, 7, 8, 9, 17, 33 and
+// 39 pairs (up to three passes of 16) and out_dim past a warp; small ff (1, 3, 5, 20 blocks)
+// with random routing; ff of 33 blocks (two 32-block chunks of the tree). `moe 100` runs only
+// these.
+static int down_tile_checks() {
+    const DownTileConfig configs[] = {
+        {2048, 40, 8, 2, 58, 57, {0, 1, 7, 8, 9, 17, 33, 39}},
+        {256, 130, 6, 3, 9, 8, {}},
+        {768, 24, 4, 2, 8, 7, {}},
+        {8448, 20, 3, 2, 20, 19, {1, 0, 37}},
+        {1280, 16, 2, 1, 9, 9, {}},   // 5 blocks: missing leaves inside the tree's 8-block grid
+        {5120, 16, 2, 2, 12, 11, {}},  // 20 blocks: every tree level, missing leaves
+    };
+    int bad = 0;
+    for (const auto& c : configs) bad += down_tile_check(c);
+    return bad;
+}
+#endif
+
 int main(int argc, char** argv) {
     const bool native = DS4_NATIVE_BLOCKS;
     int bad = mma_check<16>() + mma_check<32>();
@@ -466,5 +584,8 @@ int main(int argc, char** argv) {
     const int only = argc > 1 ? atoi(argv[1]) : -1;
     for (int i = 0; i < (int)(sizeof(configs) / sizeof(configs[0])); i++)
         if (only < 0 || only == i) bad += run(configs[i], native);
+#if !DS4_NATIVE_BLOCKS
+    if (only < 0 || only == 100) bad += down_tile_checks();
+#endif
     return bad ? 1 : 0;
 }
