@@ -232,15 +232,17 @@ mod imp {
     }
     const ATTN_ROWS_KERNEL: &str = "attention_rows";
     /// [`ATTN_ROWS_KERNEL`]'s blocks with two per SM (kernels/attention.cu: attention_rows2: the
-    /// weighted sum's totals in shared memory, <= 128 registers, KV tiles by cp.async), the same
-    /// bits; `DS4_CUDA_ATTN_ROWS=new` picks it, to measure against the default.
+    /// weighted sum's totals in shared memory, <= 128 registers, KV tiles by cp.async, the two
+    /// rows' compressed rows as one union), the same bits; the default (Flash 2,048-token prefill
+    /// 1,479.9 -> 1,623.2 tok/s alone on the H200). `DS4_CUDA_ATTN_ROWS=old` keeps attention_rows.
     fn attn_rows_new() -> bool {
-        env_is("DS4_CUDA_ATTN_ROWS", "new")
+        !env_is("DS4_CUDA_ATTN_ROWS", "old")
     }
     const ATTN_ROWS2_KERNEL: &str = "attention_rows2";
     /// Its dynamic shared memory, as kernels/attention.cu lays it out (ATTN_R2_SMEM), in floats:
     /// two KV tiles of 8 rows x 512, the totals (16 float4 x 256 threads), two tiles' weights
-    /// (8 rows x 2 token rows x 16 heads), vis (2 x 3072 u16), 1 / denom (2 x 16), the flag.
+    /// (8 rows x 2 token rows x 16 heads), vis (2 x 2048 u16) and the union's compressed rows
+    /// (2048 u16), 1 / denom (2 x 16), the flag and the union's count.
     fn attn_rows2_smem() -> u32 {
         4 * (2 * 8 * 512 + 16 * 4 * 256 + 2 * 8 * 2 * 16 + 3072 + 2 * 16 + 4)
     }
@@ -1473,9 +1475,10 @@ mod imp {
             // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row expert launches, to measure against.
             // `DS4_CUDA_MOE_MMA=0` keeps the grouped kernels on CUDA cores instead of the int8
             // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only). `=2` picks the
-            // second tensor-core kernels (`moe_*_mma2_*`), not the default until measured (they
-            // ran about 1,000x slower on the H200 while missing from `ALL_ROWS_KERNELS`: launched
-            // over every row as `blockIdx.y`, each row's blocks redid the whole chunk).
+            // second tensor-core kernels (`moe_*_mma2_*`; slower than the first on the H200:
+            // Flash prefill 1,357.6 against 1,465.4 tok/s). By default the IQ2_XXS gate/up is
+            // `moe_gate_up_tile_iq2_xxs` (each weight decoded once per pass of up to 32 pairs;
+            // alone 1,479.9 -> 1,568.3 tok/s); `DS4_CUDA_MOE_GATE_UP=mma` keeps the first.
             let mma = std::env::var("DS4_CUDA_MOE_MMA").ok();
             let experts = if std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_ok() {
                 plan::ChunkExperts::PerRow
@@ -1483,12 +1486,10 @@ mod imp {
                 plan::ChunkExperts::Grouped
             } else if mma.as_deref() == Some("2") {
                 plan::ChunkExperts::GroupedMma2
-            } else if env_is("DS4_CUDA_MOE_GATE_UP", "tile") {
-                // The IQ2_XXS gate/up decoding each weight once per pass of up to 32 pairs
-                // (`moe_gate_up_tile_iq2_xxs`), the same bits; not the default until measured.
-                plan::ChunkExperts::GroupedMmaTile
-            } else {
+            } else if env_is("DS4_CUDA_MOE_GATE_UP", "mma") {
                 plan::ChunkExperts::GroupedMma
+            } else {
+                plan::ChunkExperts::GroupedMmaTile
             };
             let plan = plan::plan_experts(&chunk, true, false, experts).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
