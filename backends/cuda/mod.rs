@@ -130,10 +130,11 @@ mod imp {
         out
     }
 
-    /// Prompt tokens per prefill chunk by default: each batch launch covers this many rows. Flash,
-    /// 2,048-token prompt on the H200: 707 tok/s in chunks of 128, 807 in 256, 858 in 512
-    /// (BENCHMARKS.md); all three bit-identical to token by token.
-    const DEFAULT_PREFILL_CHUNK: usize = 512;
+    /// Prompt tokens per prefill chunk by default: each batch launch covers this many rows, and
+    /// the grouped experts decode each weight once per pass of many pairs, so longer chunks pay.
+    /// Flash on the H200 (BENCHMARKS.md): 2,048-token prompt 2,044 tok/s in chunks of 512, 2,321
+    /// in 1024; 16,384 tokens 1,666 and 1,842; bit-identical to token by token.
+    const DEFAULT_PREFILL_CHUNK: usize = 1024;
 
     /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
     const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
