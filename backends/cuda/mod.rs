@@ -380,6 +380,17 @@ mod imp {
         move |e| err(format!("{what}: {e}"))
     }
 
+    /// Lets a launch's kernel take its `smem` bytes of dynamic shared memory: over 48 KiB needs
+    /// the kernel's opt-in.
+    fn opt_in_smem(r: &Resolved) -> Result<(), BackendError> {
+        r.func
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                r.smem as i32,
+            )
+            .map_err(drv(&format!("{}: {} bytes of shared memory", r.kernel, r.smem)))
+    }
+
     /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, any
     /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g.
     /// `MOE_GATE_UP_PASSES=2`; the kernels give each a default), the header generated from the
@@ -1479,7 +1490,10 @@ mod imp {
             // second tensor-core kernels (`moe_*_mma2_*`; slower than the first on the H200:
             // Flash prefill 1,357.6 against 1,465.4 tok/s). By default the IQ2_XXS gate/up is
             // `moe_gate_up_tile_iq2_xxs` (each weight decoded once per pass of up to 32 pairs;
-            // alone 1,479.9 -> 1,568.3 tok/s); `DS4_CUDA_MOE_GATE_UP=mma` keeps the first.
+            // alone 1,479.9 -> 1,568.3 tok/s); `DS4_CUDA_MOE_GATE_UP=mma` keeps the first. The
+            // Q2_K down of the tensor-core kinds is `moe_down_tile_q2_k` (each fragment built once
+            // per 16 pairs; alone 1,479.9 -> 1,615.7); `DS4_CUDA_MOE_DOWN=mma` keeps
+            // `moe_down_mma_q2_k` (`moe_down_mma2_q2_k` with `DS4_CUDA_MOE_MMA=2`).
             let mma = std::env::var("DS4_CUDA_MOE_MMA").ok();
             let experts = if std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_ok() {
                 plan::ChunkExperts::PerRow
@@ -1492,7 +1506,8 @@ mod imp {
             } else {
                 plan::ChunkExperts::GroupedMmaTile
             };
-            let plan = plan::plan_experts(&chunk, true, false, experts).map_err(err)?;
+            let down_tile = !env_is("DS4_CUDA_MOE_DOWN", "mma");
+            let plan = plan::plan_experts(&chunk, true, false, experts, down_tile).map_err(err)?;
             let row_bytes = |bytes: usize| bytes.max(4).div_ceil(ALIGN) * ALIGN;
             // Per-row buffers, then per-row scratch areas; state is the decode program's.
             let mut size = 0usize;
@@ -1578,13 +1593,7 @@ mod imp {
                                 r.block = tile.threads();
                                 r.grid = rows.div_ceil(tile.tokens());
                                 r.smem = tile.smem();
-                                // Over 48 KiB of dynamic shared memory needs the kernel's opt-in.
-                                r.func
-                                    .set_attribute(
-                                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        r.smem as i32,
-                                    )
-                                    .map_err(drv(&format!("{Q8_TILE_KERNEL}: {} bytes of shared memory", r.smem)))?;
+                                opt_in_smem(&r)?;
                                 // Several blocks per SM need the shared memory carveout at its
                                 // largest (the default is only a hint, which may leave room for one).
                                 if tile.min_blocks > 1 {
@@ -1684,13 +1693,7 @@ mod imp {
                     }
                     if r.kernel == plan::GATE_UP_TILE_KERNEL {
                         r.smem = gate_up_tile_smem();
-                        // Over 48 KiB of dynamic shared memory needs the kernel's opt-in.
-                        r.func
-                            .set_attribute(
-                                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                r.smem as i32,
-                            )
-                            .map_err(drv(&format!("{}: {} bytes of shared memory", r.kernel, r.smem)))?;
+                        opt_in_smem(&r)?;
                     }
                     if r.kernel == "attention" {
                         let a = bytemuck::try_pod_read_unaligned::<args::AttentionArgs>(bytemuck::cast_slice(&r.args))
@@ -1706,17 +1709,11 @@ mod imp {
                                 r.rows = rows.div_ceil(2);
                                 r.cond |= (rows as u64) << 50;
                                 if attn_rows_new() {
-                                    // The same grid, block and row count; over 48 KiB of dynamic
-                                    // shared memory needs the kernel's opt-in.
+                                    // The same grid, block and row count.
                                     r.kernel = ATTN_ROWS2_KERNEL;
                                     r.func = funcs.get(ATTN_ROWS2_KERNEL)?;
                                     r.smem = attn_rows2_smem();
-                                    r.func
-                                        .set_attribute(
-                                            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                            r.smem as i32,
-                                        )
-                                        .map_err(drv(&format!("{ATTN_ROWS2_KERNEL}: {} bytes of shared memory", r.smem)))?;
+                                    opt_in_smem(&r)?;
                                 }
                             }
                             // A block per (row, group of threads / 16 heads): same bits, each KV row

@@ -1421,24 +1421,13 @@ fn split_attention() -> bool {
 }
 
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
-    plan_experts(program, fuse, expert_cache, ChunkExperts::Grouped)
+    plan_experts(program, fuse, expert_cache, ChunkExperts::Grouped, false)
 }
 
-/// [`plan`], choosing how a chunk program runs its routed experts (the same bits every way).
-pub fn plan_experts(program: &Program, fuse: bool, expert_cache: bool, experts: ChunkExperts) -> Result<Plan, String> {
-    plan_experts_down(program, fuse, expert_cache, experts, moe_down_tile())
-}
-
-/// Whether the tensor-core experts take their Q2_K down from `moe_down_tile_q2_k` (kernels/moe.cu:
-/// each weight fragment built once for 16 pairs, the activations staged in shared memory; the
-/// same bits): the default (Flash prefill alone 1,479.9 -> 1,615.7 tok/s on the H200);
-/// `DS4_CUDA_MOE_DOWN=mma` keeps `moe_down_mma_q2_k` (or `mma2` with `DS4_CUDA_MOE_MMA=2`).
-pub fn moe_down_tile() -> bool {
-    !env_is("DS4_CUDA_MOE_DOWN", "mma")
-}
-
-/// [`plan_experts`] with the Q2_K down kernel given (`down_tile`: [`moe_down_tile`]).
-pub fn plan_experts_down(
+/// [`plan`], choosing how a chunk program runs its routed experts (the same bits every way):
+/// `experts`, and with the tensor-core kinds `down_tile`, whether the Q2_K down is
+/// `moe_down_tile_q2_k` (the caller reads both switches, mod.rs `build_chunk`).
+pub fn plan_experts(
     program: &Program,
     fuse: bool,
     expert_cache: bool,
@@ -1712,7 +1701,7 @@ mod tests {
                 (ChunkExperts::GroupedMma2, true, "moe_gate_up_mma2_iq2_xxs", "moe_down_tile_q2_k"),
                 (ChunkExperts::GroupedMmaTile, true, GATE_UP_TILE_KERNEL, "moe_down_tile_q2_k"),
             ] {
-                let mma = plan_experts_down(&chunk, true, false, mode, tile).unwrap();
+                let mma = plan_experts(&chunk, true, false, mode, tile).unwrap();
                 assert_eq!(grouped.launches.len(), mma.launches.len());
                 let mut seen = 0;
                 for (g, m) in grouped.launches.iter().zip(&mma.launches) {
@@ -1740,7 +1729,7 @@ mod tests {
                 assert!(kernels.windows(5).any(|w| w == want), "{kernels:?}");
             }
             let decode = record_token(&model, Caps { ctx: 256 }).unwrap();
-            let a = plan_experts(&decode, true, false, ChunkExperts::GroupedMma).unwrap().launches;
+            let a = plan_experts(&decode, true, false, ChunkExperts::GroupedMma, false).unwrap().launches;
             let b = plan(&decode, true, false).unwrap().launches;
             assert!(a.iter().map(|l| l.kernel).eq(b.iter().map(|l| l.kernel)));
         }
