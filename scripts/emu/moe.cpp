@@ -4,12 +4,27 @@
 // moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit; in the split
 // layout, again with the tensor-core kernels (moe_gate_up_mma_iq2_xxs, moe_down_mma_q2_k) where
 // the types have them; with the first of those, moe_gate_up_tile_iq2_xxs's mid against
-// moe_gate_up_mma_iq2_xxs's. First it checks the emulated int8 MMA against a plain matrix product.
+// moe_gate_up_mma_iq2_xxs's; on configs of its own, moe_down_tile_q2_k's parts against
+// moe_down_mma_q2_k's. First it checks the emulated int8 MMA against a plain matrix product.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
 
 #include <chrono>
+
+// n random Q8_K blocks: quants in -127..127, their 16-value sums as quantize_q8_k keeps them, a
+// small positive scale.
+static void rand_q8k(BlockQ8K* x, u32 n) {
+    for (u32 b = 0; b < n; b++) {
+        for (int i = 0; i < 256; i++) x[b].qs[i] = (i8)(int)(rnd() % 255 - 127);
+        for (int j = 0; j < 16; j++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += x[b].qs[16 * j + i];
+            x[b].bsums[j] = (i16)s;
+        }
+        x[b].d = frand(1e-3f, 3e-2f);
+    }
+}
 
 static unsigned short rand_half() {
     // Finite, normal, moderate: exponent 8..18 (2^-7 .. 2^3).
@@ -105,16 +120,7 @@ static int run(const Config& c, bool native) {
     const u64 cond = 1ull << 63;
     RowBuf X(nbi * sizeof(BlockQ8K), c.rows, 0), SEL(c.n_used * 4, c.rows, 0), W(c.n_used * 4, c.rows, 0);
     for (u32 y = 0; y < c.rows; y++) {
-        BlockQ8K* x = X.row<BlockQ8K>(y);
-        for (u32 b = 0; b < nbi; b++) {
-            for (int i = 0; i < 256; i++) x[b].qs[i] = (i8)(int)(rnd() % 255 - 127);
-            for (int j = 0; j < 16; j++) {
-                int s = 0;
-                for (int i = 0; i < 16; i++) s += x[b].qs[16 * j + i];
-                x[b].bsums[j] = (i16)s;
-            }
-            x[b].d = frand(1e-3f, 3e-2f);
-        }
+        rand_q8k(X.row<BlockQ8K>(y), nbi);
         int* sel = SEL.row<int>(y);
         if (!c.counts.empty()) {
             for (u32 s = 0; s < c.n_used; s++) W.row<float>(y)[s] = frand(0.05f, 1.0f);
@@ -458,16 +464,7 @@ static int down_tile_check(const DownTileConfig& c) {
     for (u32 e = 0; e < c.counts.size(); e++) list.insert(list.end(), c.counts[e], (int)e);
     if (!c.counts.empty() && list.size() != (size_t)c.active * c.n_used) abort();
     for (u32 y = 0; y < c.rows; y++) {
-        BlockQ8K* x = MQ.row<BlockQ8K>(y);
-        for (u32 b = 0; b < c.n_used * nb; b++) {
-            for (int i = 0; i < 256; i++) x[b].qs[i] = (i8)(int)(rnd() % 255 - 127);
-            for (int j = 0; j < 16; j++) {
-                int s = 0;
-                for (int i = 0; i < 16; i++) s += x[b].qs[16 * j + i];
-                x[b].bsums[j] = (i16)s;
-            }
-            x[b].d = frand(1e-3f, 3e-2f);
-        }
+        rand_q8k(MQ.row<BlockQ8K>(y), c.n_used * nb);
         int* sel = SEL.row<int>(y);
         for (u32 s = 0; s < c.n_used; s++) {
             if (y >= c.active) sel[s] = 1 << 30;  // never read
