@@ -585,8 +585,10 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 // each row's pointers through ds4_row. scripts/moe-emulate checks them against the per-row
 // kernels on the host.
 
-// The pairs one routing block holds (plan.rs MOE_ROUTE_MAX_PAIRS); at most 1024 experts.
-#define MOE_ROUTE_MAX_PAIRS 8192
+// The pairs one routing block holds (plan.rs MOE_ROUTE_MAX_PAIRS); at most 1024 experts. Their
+// experts are 16-bit in shared memory, so that a chunk of 2048 rows x 6 used fits the 48 KB of
+// static shared memory (with int, chunks past 1365 rows fell back to the per-row kernels: 4x slower).
+#define MOE_ROUTE_MAX_PAIRS 16384
 
 // One block of 1024 threads writes `route`: counts[n_expert], starts[n_expert], then the pairs
 // p = row * n_used + slot grouped by expert, ascending within an expert. Rows whose predicate is
@@ -601,7 +603,7 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 #endif
 __device__ __forceinline__ void moe_route_block(const StepParams* P, u64 cond, const RowStrides& R, const MoeRouteArgs& a,
                                                 bool serial) {
-    __shared__ int ex[MOE_ROUTE_MAX_PAIRS];
+    __shared__ i16 ex[MOE_ROUTE_MAX_PAIRS];
     __shared__ u32 count[1024], start[1024];
     const u32 t = threadIdx.x, n_expert = a.n_expert, n_pairs = a.rows * a.n_used;
     for (u32 e = t; e < n_expert; e += blockDim.x) count[e] = 0;
@@ -613,7 +615,7 @@ __device__ __forceinline__ void moe_route_block(const StepParams* P, u64 cond, c
             ds4_row(ay, R, y);
             e = min(max(ay.selected[p % a.n_used], 0), (int)n_expert - 1);
         }
-        ex[p] = e;
+        ex[p] = (i16)e;
     }
     __syncthreads();
     for (u32 p = t; p < n_pairs; p += blockDim.x)

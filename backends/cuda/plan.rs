@@ -103,7 +103,7 @@ pub(crate) const HC_PRE_WARPS: usize = 16;
 
 /// The (row, slot) pairs of a chunk that the grouped routed experts take (kernels/moe.cu
 /// MOE_ROUTE_MAX_PAIRS: the routing block holds them in shared memory), and the experts.
-const MOE_ROUTE_MAX_PAIRS: usize = 8192;
+const MOE_ROUTE_MAX_PAIRS: usize = 16384;
 const MOE_ROUTE_MAX_EXPERTS: u32 = 1024;
 
 /// Matrices with fewer rows than this split each row's chunks over warps (split-K).
@@ -1272,7 +1272,7 @@ impl<'a> Builder<'a> {
                 }
                 // A chunk runs its rows grouped by expert when the routing block can hold the
                 // pairs and each slot's mid vector is whole Q8_K blocks; otherwise (a chunk of
-                // more than 8192 pairs) row by row as below, which gives the same bits.
+                // more than MOE_ROUTE_MAX_PAIRS pairs) row by row as below, which gives the same bits.
                 let rows = self.program.rows() as usize;
                 if rows > 1
                     && self.experts != ChunkExperts::PerRow
