@@ -68,7 +68,8 @@ enum Cmd {
         #[arg(long, default_value_t = EMBEDDED_SEED)]
         seed: u64,
     },
-    /// Compile the CUDA kernels with NVRTC for an architecture (needs libnvrtc, not a GPU).
+    /// Compile the CUDA kernels with NVRTC for an architecture (needs libnvrtc, not a GPU) into the
+    /// kernel cache (DS4_CACHE_DIR), so that a later run on that GPU compiles nothing.
     Kernels {
         /// GPU architecture, e.g. sm_89, sm_90, sm_121.
         #[arg(long, default_value = "sm_90")]

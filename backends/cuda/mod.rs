@@ -42,15 +42,18 @@ pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
 #[cfg(feature = "cuda")]
 pub use imp::{kernel_source, CudaBackend, CudaExecutable};
 
-/// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX size in bytes.
-/// Needs libnvrtc but no GPU.
+/// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`), stores the PTX in the kernel cache
+/// a run reads (so a later start on a GPU of that architecture compiles nothing) and returns its
+/// size in bytes. Needs libnvrtc but no GPU.
 #[cfg(feature = "cuda")]
 pub fn compile_kernels(arch: &str, layout: BlockLayout, rows: KernelRows) -> Result<usize, BackendError> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(BackendError::new("cuda", "no NVRTC library (libnvrtc, CUDA 13) on this machine"));
     }
-    imp::compile_kernels(arch, layout, rows).map(|ptx| ptx.to_src().len())
+    let ptx = imp::compile_kernels(arch, layout, rows)?.to_src();
+    imp::cache::store(arch, layout, rows, &ptx);
+    Ok(ptx.len())
 }
 
 #[cfg(not(feature = "cuda"))]
