@@ -582,13 +582,19 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_flat(DS4_
         for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = a.x[c + i] * scale;
 }
 
+// hc_pre_mix's tile: 16 HC_MIX_TR matrix rows x 16 HC_MIX_TT token rows (mod.rs hc_mix_tile
+// defines them: 32 x 64, the control projection having 24 rows).
+#ifndef HC_MIX_TR
+#define HC_MIX_TR F16T_TR
+#define HC_MIX_TT F16T_TT
+#endif
 extern "C" __global__ void __launch_bounds__(256, 2) hc_pre_mix(DS4_ARGS, HcPreArgs a) {
     F16Tile j;
     j.w = a.fn_w, j.w2 = nullptr, j.x = a.flat, j.out = a.mix, j.out2 = nullptr, j.partial = a.partial;
     j.tickets = a.tickets, j.x_stride = R.s[4], j.out_stride = R.s[5], j.out2_stride = 0;
     j.partial_stride = R.s[2], j.tickets_stride = R.s[3];
     j.rows = a.mix_rows, j.rows2 = 0, j.in_dim = a.hc_dim, j.ticket = a.ticket;
-    f16_tile(P, cond, j);
+    f16_tile<HC_MIX_TR, HC_MIX_TT>(P, cond, j);
 }
 
 extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_tail(DS4_ARGS, HcPreArgs a) {

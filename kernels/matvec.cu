@@ -923,35 +923,37 @@ struct F16Tile {
 };
 
 
+template <u32 TR, u32 TT>
 __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F16Tile& j) {
-    static_assert(F16T_TR % 2 == 0 && F16T_TT % 2 == 0, "a thread stages TR / 2 weight and TT / 2 input units");
-    __shared__ __align__(16) float ws[F16T_ROWS * F16T_PITCH];
-    __shared__ __align__(16) float xs[F16T_TOKENS * F16T_PITCH];
+    static_assert(TR % 2 == 0 && TT % 2 == 0, "a thread stages TR / 2 weight and TT / 2 input units");
+    __shared__ __align__(16) float ws[(16 * TR) * F16T_PITCH];
+    __shared__ __align__(16) float xs[(16 * TT) * F16T_PITCH];
     __shared__ bool last;
-    const u32 y0 = blockIdx.y * F16T_TOKENS;
-    u32 active = 0;
+    const u32 y0 = blockIdx.y * (16 * TT);
+    static_assert(16 * TT <= 64, "the active token rows are one 64-bit mask");
+    u64 active = 0;
 #pragma unroll
-    for (u32 t = 0; t < F16T_TOKENS; t++)
-        if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
+    for (u32 t = 0; t < (16 * TT); t++)
+        if (ds4_cond(P + y0 + t, cond)) active |= 1ull << t;
     ds4_wait_predecessor();
     if (!active) return;  // the whole tile's blocks: none takes the ticket
     const u32 all_rows = j.rows + j.rows2;
-    const u32 row_tiles = (all_rows + F16T_ROWS - 1) / F16T_ROWS;
+    const u32 row_tiles = (all_rows + (16 * TR) - 1) / (16 * TR);
     const u32 ksplit = gridDim.x / row_tiles;
     const u32 rt = blockIdx.x / ksplit, ks = blockIdx.x % ksplit;
-    const u32 r0 = rt * F16T_ROWS;
+    const u32 r0 = rt * (16 * TR);
     const u32 n_chunks = (j.in_dim + DS4_CHUNK - 1) / DS4_CHUNK;
     const u32 per = (n_chunks + ksplit - 1) / ksplit;
     const u32 c0 = min(ks * per, n_chunks), c1 = min(c0 + per, n_chunks);
     const u32 tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
 
     // Staging: unit e of an eighth is 8 consecutive terms of one row: row e / 8, half u, lane slot q.
-    uint4 wq[F16T_TR / 2];
-    float4 xa[F16T_TT / 2], xb[F16T_TT / 2];
+    uint4 wq[TR / 2];
+    float4 xa[TT / 2], xb[TT / 2];
     auto fetch = [&](u32 s) {
         const u32 c = c0 + s / 8, g = bit_reverse3(s % 8);
 #pragma unroll
-        for (u32 k = 0; k < F16T_TR / 2; k++) {
+        for (u32 k = 0; k < TR / 2; k++) {
             const u32 e = threadIdx.x + 256 * k, rr = r0 + e / 8, u = (e / 4) & 1, q = e & 3;
             const u32 i = c * DS4_CHUNK + u * 256 + (g + 8 * q) * 8;
             wq[k] = make_uint4(0, 0, 0, 0);
@@ -961,7 +963,7 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
             }
         }
 #pragma unroll
-        for (u32 k = 0; k < F16T_TT / 2; k++) {
+        for (u32 k = 0; k < TT / 2; k++) {
             const u32 e = threadIdx.x + 256 * k, t = e / 8, u = (e / 4) & 1, q = e & 3;
             const u32 i = c * DS4_CHUNK + u * 256 + (g + 8 * q) * 8;
             xa[k] = xb[k] = make_float4(0, 0, 0, 0);
@@ -974,7 +976,7 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
     };
     auto store = [&]() {
 #pragma unroll
-        for (u32 k = 0; k < F16T_TR / 2; k++) {
+        for (u32 k = 0; k < TR / 2; k++) {
             const u32 e = threadIdx.x + 256 * k;
             float* d = ws + (e / 8) * F16T_PITCH + (e & 7) * 8;
             const uint4 h = wq[k];
@@ -984,7 +986,7 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
                                             h2f((u16)(h.w & 0xffff)), h2f((u16)(h.w >> 16)));
         }
 #pragma unroll
-        for (u32 k = 0; k < F16T_TT / 2; k++) {
+        for (u32 k = 0; k < TT / 2; k++) {
             const u32 e = threadIdx.x + 256 * k;
             float* d = xs + (e / 8) * F16T_PITCH + (e & 7) * 8;
             *(float4*)d = xa[k];
@@ -992,11 +994,11 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
         }
     };
 
-    float total[F16T_TR][F16T_TT], p2[F16T_TR][F16T_TT], p3[F16T_TR][F16T_TT], p4[F16T_TR][F16T_TT];
+    float total[TR][TT], p2[TR][TT], p3[TR][TT], p4[TR][TT];
 #pragma unroll
-    for (u32 i = 0; i < F16T_TR; i++)
+    for (u32 i = 0; i < TR; i++)
 #pragma unroll
-        for (u32 t = 0; t < F16T_TT; t++) total[i][t] = 0.0f;
+        for (u32 t = 0; t < TT; t++) total[i][t] = 0.0f;
     const u32 stages = (c1 - c0) * 8;
     if (stages) fetch(0);
     for (u32 s = 0; s < stages; s++) {
@@ -1005,22 +1007,22 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
         __syncthreads();
         if (s + 1 < stages) fetch(s + 1);  // in flight while this eighth is computed
         // The eighth's 4-leaf subtree: leaf m is lane slot q = bitrev2(m).
-        float pa[F16T_TR][F16T_TT], pb[F16T_TR][F16T_TT], v[F16T_TR][F16T_TT];
+        float pa[TR][TT], pb[TR][TT], v[TR][TT];
 #pragma unroll
         for (u32 m = 0; m < 4; m++) {
             const u32 q = ((m & 1) << 1) | (m >> 1);
 #pragma unroll
             for (u32 h = 0; h < 4; h++) {
                 const u32 off = (h >> 1) * 32 + q * 8 + (h & 1) * 4;
-                float4 wv[F16T_TR], xv[F16T_TT];
+                float4 wv[TR], xv[TT];
 #pragma unroll
-                for (u32 i = 0; i < F16T_TR; i++) wv[i] = *(const float4*)(ws + (ty + 16 * i) * F16T_PITCH + off);
+                for (u32 i = 0; i < TR; i++) wv[i] = *(const float4*)(ws + (ty + 16 * i) * F16T_PITCH + off);
 #pragma unroll
-                for (u32 t = 0; t < F16T_TT; t++) xv[t] = *(const float4*)(xs + (tx + 16 * t) * F16T_PITCH + off);
+                for (u32 t = 0; t < TT; t++) xv[t] = *(const float4*)(xs + (tx + 16 * t) * F16T_PITCH + off);
 #pragma unroll
-                for (u32 i = 0; i < F16T_TR; i++)
+                for (u32 i = 0; i < TR; i++)
 #pragma unroll
-                    for (u32 t = 0; t < F16T_TT; t++) {
+                    for (u32 t = 0; t < TT; t++) {
                         float a = h == 0 ? wv[i].x * xv[t].x : v[i][t] + wv[i].x * xv[t].x;
                         a += wv[i].y * xv[t].y;
                         a += wv[i].z * xv[t].z;
@@ -1029,9 +1031,9 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
                     }
             }
 #pragma unroll
-            for (u32 i = 0; i < F16T_TR; i++)
+            for (u32 i = 0; i < TR; i++)
 #pragma unroll
-                for (u32 t = 0; t < F16T_TT; t++) {
+                for (u32 t = 0; t < TT; t++) {
                     if (m == 0) pa[i][t] = v[i][t];
                     else if (m == 1) pa[i][t] = pa[i][t] + v[i][t];
                     else if (m == 2) pb[i][t] = v[i][t];
@@ -1041,9 +1043,9 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
         // Merge the subtree into the chunk's: eighths 2k and 2k+1 pair, then pairs of pairs.
         const u32 e8 = s % 8;
 #pragma unroll
-        for (u32 i = 0; i < F16T_TR; i++)
+        for (u32 i = 0; i < TR; i++)
 #pragma unroll
-            for (u32 t = 0; t < F16T_TT; t++) {
+            for (u32 t = 0; t < TT; t++) {
                 if (!(e8 & 1)) {
                     p2[i][t] = v[i][t];
                     continue;
@@ -1063,18 +1065,18 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
         if (e8 == 7) {
             if (ksplit == 1) {
 #pragma unroll
-                for (u32 i = 0; i < F16T_TR; i++)
+                for (u32 i = 0; i < TR; i++)
 #pragma unroll
-                    for (u32 t = 0; t < F16T_TT; t++) total[i][t] += v[i][t];
+                    for (u32 t = 0; t < TT; t++) total[i][t] += v[i][t];
             } else {
                 const u32 c = c0 + s / 8;
 #pragma unroll
-                for (u32 t = 0; t < F16T_TT; t++) {
+                for (u32 t = 0; t < TT; t++) {
                     const u32 tok = tx + 16 * t;
                     if (!((active >> tok) & 1)) continue;
                     float* part = (float*)((u8*)j.partial + (u64)(y0 + tok) * j.partial_stride);
 #pragma unroll
-                    for (u32 i = 0; i < F16T_TR; i++) {
+                    for (u32 i = 0; i < TR; i++) {
                         const u32 rr = r0 + ty + 16 * i;
                         if (rr < all_rows) part[(u64)rr * n_chunks + c] = v[i][t];
                     }
@@ -1091,12 +1093,12 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
         if (!last) return;
         __threadfence();
 #pragma unroll
-        for (u32 t = 0; t < F16T_TT; t++) {
+        for (u32 t = 0; t < TT; t++) {
             const u32 tok = tx + 16 * t;
             if (!((active >> tok) & 1)) continue;
             const float* part = (const float*)((const u8*)j.partial + (u64)(y0 + tok) * j.partial_stride);
 #pragma unroll
-            for (u32 i = 0; i < F16T_TR; i++) {
+            for (u32 i = 0; i < TR; i++) {
                 const u32 rr = r0 + ty + 16 * i;
                 if (rr >= all_rows) continue;
                 float sum = 0.0f;
@@ -1107,11 +1109,11 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
         if (threadIdx.x == 0) *ticket = 0;
     }
 #pragma unroll
-    for (u32 t = 0; t < F16T_TT; t++) {
+    for (u32 t = 0; t < TT; t++) {
         const u32 tok = tx + 16 * t;
         if (!((active >> tok) & 1)) continue;
 #pragma unroll
-        for (u32 i = 0; i < F16T_TR; i++) {
+        for (u32 i = 0; i < TR; i++) {
             const u32 rr = r0 + ty + 16 * i;
             if (rr < j.rows) ((float*)((u8*)j.out + (u64)(y0 + tok) * j.out_stride))[rr] = total[i][t];
             else if (rr < all_rows)
@@ -1126,7 +1128,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mat_mul_f16_tile(DS4_ARGS, 
     j.w = a.w, j.w2 = nullptr, j.x = a.x, j.out = a.out, j.out2 = nullptr, j.partial = nullptr, j.tickets = nullptr;
     j.x_stride = R.s[1], j.out_stride = R.s[2], j.out2_stride = 0, j.partial_stride = 0, j.tickets_stride = 0;
     j.rows = a.rows, j.rows2 = 0, j.in_dim = a.in_dim, j.ticket = 0;
-    f16_tile(P, cond, j);
+    f16_tile<F16T_TR, F16T_TT>(P, cond, j);
 }
 
 // mat_vec_f16_split (ungrouped, with its optional second matrix) as a tile product.
@@ -1135,7 +1137,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mat_mul_f16_split_tile(DS4_
     j.w = a.w, j.w2 = a.w2, j.x = a.x, j.out = a.out, j.out2 = a.out2, j.partial = a.partial, j.tickets = a.tickets;
     j.x_stride = R.s[1], j.out_stride = R.s[4], j.out2_stride = R.s[6], j.partial_stride = R.s[2];
     j.tickets_stride = R.s[3], j.rows = a.rows, j.rows2 = a.rows2, j.in_dim = a.in_dim, j.ticket = a.ticket;
-    f16_tile(P, cond, j);
+    f16_tile<F16T_TR, F16T_TT>(P, cond, j);
 }
 #endif
 

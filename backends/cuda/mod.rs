@@ -136,8 +136,10 @@ mod imp {
     /// Prompt tokens per prefill chunk by default: each batch launch covers this many rows, and
     /// the grouped experts decode each weight once per pass of many pairs, so longer chunks pay.
     /// Flash on the H200 (BENCHMARKS.md): 2,048-token prompt 2,044 tok/s in chunks of 512, 2,321
-    /// in 1024; 16,384 tokens 1,666 and 1,842; bit-identical to token by token.
-    const DEFAULT_PREFILL_CHUNK: usize = 1024;
+    /// in 1024, 2,470 in 2048; 16,384 tokens 1,666, 1,842 and 1,944; bit-identical to token by
+    /// token. Chunks past plan.rs MOE_ROUTE_MAX_PAIRS / n_used rows (2,730 for Flash) would run the routed
+    /// experts row by row.
+    const DEFAULT_PREFILL_CHUNK: usize = 2048;
 
     /// The kernel whose chunk build computes several token rows per warp (kernels/matvec.cu).
     const Q8_MULTI_ROW_KERNEL: &str = "mat_vec_q8_0";
@@ -323,14 +325,25 @@ mod imp {
     }
     const F16T_ROWS: u32 = 64;
     const F16T_TOKENS: u32 = 32;
+    /// hc_pre_mix's tile (kernels/fused.cu HC_MIX_TR, HC_MIX_TT), matrix rows x token rows: 32 x 64
+    /// for its 24-row control projection, of which a 64-row tile left 40 idle (Flash, a chunk of
+    /// 2048 rows: 312 us a launch x 86). `DS4_CUDA_HC_MIX_TILE=old` takes the F16 products' 64 x 32,
+    /// `32x32` a tile of fewer registers, to measure.
+    fn hc_mix_tile() -> (u32, u32) {
+        match std::env::var("DS4_CUDA_HC_MIX_TILE").as_deref() {
+            Ok("old") => (F16T_ROWS, F16T_TOKENS),
+            Ok("32x32") => (32, 32),
+            _ => (32, 64),
+        }
+    }
     const F16T_THREADS: u32 = 256;
 
     /// K splits of a tile product: the fewest (dividing the chunks) that give at least
     /// `F16T_MIN_BLOCKS` blocks. Each tile's last block finishes it with a ticket word of token
     /// row `tile` (a ticket area per chunk row), so splitting needs no more tiles than rows.
     const F16T_MIN_BLOCKS: u32 = 512;
-    fn f16_tile_splits(all_rows: u32, n_chunks: u32, rows: u32) -> u32 {
-        let tiles = all_rows.div_ceil(F16T_ROWS) * rows.div_ceil(F16T_TOKENS);
+    fn f16_tile_splits(all_rows: u32, n_chunks: u32, rows: u32, (tile_rows, tile_tokens): (u32, u32)) -> u32 {
+        let tiles = all_rows.div_ceil(tile_rows) * rows.div_ceil(tile_tokens);
         if tiles > rows {
             return 1;
         }
@@ -369,7 +382,9 @@ mod imp {
             a / x * b
         };
         let tile = q8_tile().map_or(1, Q8Tile::tokens);
-        rows.next_multiple_of(lcm(lcm(lcm(lcm(q8_token_rows(), q8_mma_tokens()), F16_TOKENS), F16T_TOKENS), tile))
+        let group =
+            [q8_mma_tokens(), F16_TOKENS, F16T_TOKENS, tile, hc_mix_tile().1].into_iter().fold(q8_token_rows(), lcm);
+        rows.next_multiple_of(group)
     }
 
     /// Threads of the sampling kernel's one block (kernels/sample.cu).
@@ -431,7 +446,9 @@ mod imp {
             plan::ATTN_SCORE_THREADS,
             plan::attn_sum_threads()
         );
-        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{split}{tuning}")
+        let (mix_rows, mix_tokens) = hc_mix_tile();
+        let mix = format!("#define HC_MIX_TR {}\n#define HC_MIX_TT {}\n", mix_rows / 16, mix_tokens / 16);
+        format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{split}{mix}{tuning}")
             + &args::c_header()
             + "\n"
             + &SOURCES.join("\n")
@@ -1638,7 +1655,7 @@ mod imp {
                                 &l.args,
                             ))
                             .map_err(|e| err(format!("{}: argument words: {e}", l.kernel)))?;
-                            let splits = f16_tile_splits(m.rows + m.rows2, m.n_chunks, rows);
+                            let splits = f16_tile_splits(m.rows + m.rows2, m.n_chunks, rows, (F16T_ROWS, F16T_TOKENS));
                             (m.rows_per_group == m.rows).then_some((m.rows + m.rows2, splits))
                         };
                         if let (Some(tile), Some((all_rows, splits))) = (f16_tile_kernel(kernel), shape) {
@@ -1666,8 +1683,10 @@ mod imp {
                         mix.kernel = "hc_pre_mix";
                         mix.func = funcs.get(mix.kernel)?;
                         mix.block = F16T_THREADS;
-                        mix.grid = h.mix_rows.div_ceil(F16T_ROWS) * f16_tile_splits(h.mix_rows, h.n_chunks, rows);
-                        mix.rows = rows.div_ceil(F16T_TOKENS);
+                        let (tile_rows, tile_tokens) = hc_mix_tile();
+                        mix.grid = h.mix_rows.div_ceil(tile_rows)
+                            * f16_tile_splits(h.mix_rows, h.n_chunks, rows, (tile_rows, tile_tokens));
+                        mix.rows = rows.div_ceil(tile_tokens);
                         (mix.fork, mix.join) = (false, false);
                         let mut tail = resolve(l, &plan.ropes, &areas, &self.addrs, &mut funcs, Rows::All(rows))?;
                         tail.kernel = "hc_pre_tail";

@@ -32,7 +32,8 @@ static std::vector<StepParams> params(const Tokens& tk, u32 pad) {
 }
 static u64 cond_of(const Tokens& tk) { return (tk.every > 1 ? 1ull | (u64)tk.every << 2 : 0ull) | 1ull << 63; }
 static bool runs(const Tokens& tk, u32 y) { return y < tk.active && (tk.every <= 1 || (100 + y + 1) % tk.every == 0); }
-static u32 pad_rows(u32 rows) { return (rows + 31) / 32 * 32; }
+// Parameter rows: whole tiles of 32 token rows (the F16 products) and of 64 (hc_pre_mix's).
+static u32 pad_rows(u32 rows) { return (rows + 63) / 64 * 64; }
 
 static int compare(const char* what, RowBuf& a, RowBuf& b, u32 rows, u32 bytes) {
     int bad = 0;
@@ -141,7 +142,7 @@ static int run_hc(const char* what, u32 n_embd, u32 mix_rows, bool with_ss, bool
         } else {
             emu_launch({(nc + HC_PRE_WARPS - 1) / HC_PRE_WARPS, tk.rows, 1}, HC_PRE_WARPS * 32,
                        [&] { hc_pre_flat(P.data(), cond, R, a); });
-            emu_launch({((mix_rows + F16T_ROWS - 1) / F16T_ROWS) * splits, pad / 32, 1}, 256,
+            emu_launch({((mix_rows + 16 * HC_MIX_TR - 1) / (16 * HC_MIX_TR)) * splits, pad / (16 * HC_MIX_TT), 1}, 256,
                        [&] { hc_pre_mix(P.data(), cond, R, a); });
             emu_launch({2, tk.rows, 1}, HC_PRE_WARPS * 32, [&] { hc_pre_tail(P.data(), cond, R, a); });
         }
@@ -184,6 +185,8 @@ int main(int argc, char** argv) {
     bad += run_hc("flash, 37 of 40, no ss", 4096, 24, false, false, true, {40, 37, 1}, 16);
     bad += run_hc("small, one token", 1024, 24, true, true, false, {1, 1, 1}, 1);
     bad += run_hc("small, 37 tokens", 256, 24, false, true, true, {37, 37, 1}, 2);
+    bad += run_hc("small, 97 of 100, two tiles", 256, 24, true, true, true, {100, 97, 1}, 2);
+    bad += run_hc("small, every 3rd of 70", 256, 24, false, false, false, {70, 70, 3}, 1);
     if (full) bad += run_hc("flash, 256 tokens", 4096, 24, true, true, true, {256, 256, 1}, 32);
     printf(bad ? "F16 emulation: DIFFER\n" : "F16 emulation: all same bits\n");
     return bad ? 1 : 0;
