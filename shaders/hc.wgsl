@@ -91,6 +91,55 @@ fn hc_split_weighted_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     B2[d] = acc;
 }
 
+// hc_split_weighted_sum with the Sinkhorn off the sum's path (the default): the sum needs only
+// the pre gates, which invocations h < n make (one barrier); only workgroup 0 runs the Sinkhorn,
+// on 32 lanes (`sinkhorn_lanes`: a subgroup without barriers where the adapter has them), and
+// stores the split. n*n > 32 falls back to `sinkhorn` on the whole workgroup. Same values, same
+// operations in the same order as hc_split_weighted_sum. args: n_hc, iters, eps, len.
+@compute @workgroup_size(256)
+fn hc_split_weighted_sum_lanes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                               @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let iters = arg(1u);
+    let eps = argf(2u);
+    let len = arg(3u);
+    let g = group_index(wid, nwg);
+    if (g == 0u && n * n > 32u) {
+        sinkhorn(lid, n, iters, eps);
+        for (var j = lid; j < 2u * n + n * n; j = j + 256u) {
+            OUT[j] = sp[j];
+        }
+    } else {
+        if (lid < n) {
+            sp[lid] = hc_pre_gate(lid, eps);
+        }
+        workgroupBarrier();
+        if (g == 0u) {
+            let c = sinkhorn_comb(lid, n, iters, eps);
+            if (lid < n) {
+                OUT[lid] = sp[lid];
+            } else if (lid < 2u * n) {
+                OUT[lid] = hc_post_gate(lid);
+            }
+            if (lid < n * n) {
+                OUT[2u * n + lid] = c;
+            }
+        }
+    }
+    let d = g * 256u + lid;
+    if (d >= len) {
+        return;
+    }
+    var acc = zero();
+    for (var h = 0u; h < n; h = h + 1u) {
+        acc = fadd(acc, fmul(B1[h * len + d], sp[h]));
+    }
+    B2[d] = acc;
+}
+
 // args: n, n_hc. out[d] = sum_h weights[h] * hc[h*n + d] (hc: B0, weights: B1).
 @compute @workgroup_size(256)
 fn hc_weighted_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -228,6 +228,155 @@ fn q8_short_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, per: u32) {
     }
 }
 
+// mat_vec_q8_0 with each lane's activation blocks requested together with its weight blocks,
+// before the first sum (`mat_vec_q8_0_early`, the default; `DS4_WGPU_Q8=old` plans mat_vec_q8_0):
+// a chunk's sum then waits for no load issued after the previous chunk's butterfly. The same
+// terms, butterflies and chunk order as mat_vec_q8_0, so the same bits.
+struct Q8Term {
+    k: Q8Block,
+    x0: vec4<u32>,
+    x1: vec4<u32>,
+    dx: u32,
+}
+
+// Block b of a row (as q8_load) and of its activation (quants from vector xq, scales from word xd).
+fn q8_term(wq: u32, hs: u32, xq: u32, xd: u32, b: u32, nb: u32) -> Q8Term {
+    var t = Q8Term(q8_load(false, wq, hs, b, nb), vec4<u32>(0u), vec4<u32>(0u), 0u);
+    if (b < nb) {
+        t.x0 = XQ4[xq + 2u * b];
+        t.x1 = XQ4[xq + 2u * b + 1u];
+        t.dx = XQ4[(xd + b) / 4u][(xd + b) % 4u];
+    }
+    return t;
+}
+
+// q8_chunk of a loaded term: the lane's partial sum from +0, the same operations.
+fn q8_term_sum(t: Q8Term, b: u32, nb: u32) -> f32 {
+    var acc = zero();
+    if (b < nb) {
+        let k = t.k;
+        let isum = dot4i8(k.w0.x, t.x0.x) + dot4i8(k.w0.y, t.x0.y) + dot4i8(k.w0.z, t.x0.z)
+            + dot4i8(k.w0.w, t.x0.w) + dot4i8(k.w1.x, t.x1.x) + dot4i8(k.w1.y, t.x1.y)
+            + dot4i8(k.w1.z, t.x1.z) + dot4i8(k.w1.w, t.x1.w);
+        acc = fadd(acc, fmul(fmul(h2f(k.s & 0xffffu), bitcast<f32>(t.dx)), f32(isum)));
+    }
+    return acc;
+}
+
+// q8_row with the activation loaded early (the first matrix only). Call in uniform control flow.
+fn q8_row_early(wq: u32, hs: u32, xq: u32, xd: u32, nb: u32, lid: u32) -> f32 {
+    let lane = lid % 32u;
+    var total = zero();
+    for (var c = 0u; c < nb; c = c + 128u) {
+        let t0 = q8_term(wq, hs, xq, xd, c + lane, nb);
+        let t1 = q8_term(wq, hs, xq, xd, c + 32u + lane, nb);
+        let t2 = q8_term(wq, hs, xq, xd, c + 64u + lane, nb);
+        let t3 = q8_term(wq, hs, xq, xd, c + 96u + lane, nb);
+        total = fadd(total, lane_sum(q8_term_sum(t0, c + lane, nb), lid));
+        if (c + 32u < nb) {
+            total = fadd(total, lane_sum(q8_term_sum(t1, c + 32u + lane, nb), lid));
+        }
+        if (c + 64u < nb) {
+            total = fadd(total, lane_sum(q8_term_sum(t2, c + 64u + lane, nb), lid));
+        }
+        if (c + 96u < nb) {
+            total = fadd(total, lane_sum(q8_term_sum(t3, c + 96u + lane, nb), lid));
+        }
+    }
+    return total;
+}
+
+// q8_slot with the activation loaded early: slot s's term and block index.
+struct Q8SlotTerm {
+    t: Q8Term,
+    b: u32,
+}
+
+fn q8_slot_early(s: u32, per: u32, r0: u32, xo: u32, nb: u32, lane: u32) -> Q8SlotTerm {
+    let cpr = 4u / per;
+    let rr = min(r0 + s / cpr, arg(1u) - 1u);
+    let g = (arg(3u) + rr) / arg(2u);
+    let b = (s % cpr) * 32u + lane;
+    let t = q8_term(rr * nb * 2u, arg(5u) * 2u + rr * nb, xo / 4u + g * nb * 2u, xo + arg(4u) + g * nb, b, nb);
+    return Q8SlotTerm(t, b);
+}
+
+fn q8_slot_early_sum(a: Q8SlotTerm, nb: u32, lid: u32) -> f32 {
+    return lane_sum(q8_term_sum(a.t, a.b, nb), lid);
+}
+
+// q8_short_rows with the activation loaded early: the same sums in the same order.
+fn q8_short_rows_early(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, per: u32) {
+    let xo = wid.z * x_stride();
+    let rows = arg(1u);
+    let nb = arg(0u) / 32u;
+    let lane = lid % 32u;
+    let r0 = (group_index(wid, nwg) * 8u + lid / 32u) * per;
+    let a0 = q8_slot_early(0u, per, r0, xo, nb, lane);
+    let a1 = q8_slot_early(1u, per, r0, xo, nb, lane);
+    let a2 = q8_slot_early(2u, per, r0, xo, nb, lane);
+    let a3 = q8_slot_early(3u, per, r0, xo, nb, lane);
+    let s0 = q8_slot_early_sum(a0, nb, lid);
+    let s1 = q8_slot_early_sum(a1, nb, lid);
+    let s2 = q8_slot_early_sum(a2, nb, lid);
+    let s3 = q8_slot_early_sum(a3, nb, lid);
+    var o0 = fadd(zero(), s0);
+    var o1: f32;
+    if (per == 4u) {
+        o1 = fadd(zero(), s1);
+    } else {
+        if (32u < nb) {
+            o0 = fadd(o0, s1);
+        }
+        o1 = fadd(zero(), s2);
+        if (32u < nb) {
+            o1 = fadd(o1, s3);
+        }
+    }
+    if (lane == 0u) {
+        let out = wid.z * out_stride() + arg(3u) + r0;
+        if (r0 < rows) {
+            OUT[out] = o0;
+        }
+        if (r0 + 1u < rows) {
+            OUT[out + 1u] = o1;
+        }
+        if (per == 4u && r0 + 2u < rows) {
+            OUT[out + 2u] = fadd(zero(), s2);
+        }
+        if (per == 4u && r0 + 3u < rows) {
+            OUT[out + 3u] = fadd(zero(), s3);
+        }
+    }
+}
+
+// args and grid as mat_vec_q8_0.
+@compute @workgroup_size(256)
+fn mat_vec_q8_0_early(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    if (!guard_at(P.pos + wid.z)) {
+        return;
+    }
+    if (arg(6u) > 1u) {
+        q8_short_rows_early(wid, nwg, lid, arg(6u));
+        return;
+    }
+    let xo = wid.z * x_stride();
+    let in_dim = arg(0u);
+    let rows = arg(1u);
+    let row0 = arg(3u);
+    let d_off = arg(4u);
+    let ws_off = arg(5u);
+    let r = group_index(wid, nwg) * 8u + lid / 32u;
+    let rr = min(r, rows - 1u);
+    let nb = in_dim / 32u;
+    let g = (row0 + rr) / arg(2u);
+    let total = q8_row_early(rr * nb * 2u, ws_off * 2u + rr * nb, xo / 4u + g * nb * 2u, xo + d_off + g * nb, nb, lid);
+    if (r < rows && lid % 32u == 0u) {
+        OUT[wid.z * out_stride() + row0 + r] = total;
+    }
+}
+
 // Two ungrouped Q8_0 matrices of the same input in one dispatch (q_a and kv, the shared expert's
 // gate and up), each row as mat_vec_q8_0 computes it. args: in_dim, rows, d_off, ws_off, rows2,
 // ws_off2. Rows [0, rows) are the first matrix's (W4 into OUT), then rows2 of the second (W4B

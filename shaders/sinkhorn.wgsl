@@ -30,7 +30,7 @@ fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
     if (lid < n) {
         sp[lid] = hc_pre_gate(lid, eps);
     } else if (lid < 2u * n) {
-        sp[lid] = fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(sk_mix(lid), sk_scale(1u)), sk_base(lid)))));
+        sp[lid] = hc_post_gate(lid);
     }
     let live = lid < n * n;
     let k = min(lid, n * n - 1u);
@@ -79,4 +79,52 @@ fn sinkhorn(lid: u32, n: u32, iters: u32, eps: f32) {
 // needs only these, not the Sinkhorn.
 fn hc_pre_gate(h: u32, eps: f32) -> f32 {
     return fadd(fdiv(1.0, fadd(1.0, ds4_exp(-fadd(fmul(sk_mix(h), sk_scale(0u)), sk_base(h))))), eps);
+}
+
+// The combine matrix's element of this lane after `sinkhorn`'s softmax and normalization, on
+// 32 lanes (n*n <= 32): lane k holds element k = src + dst*n (lanes past n*n a copy of the last)
+// and reads the others through `sk_share` / `sk_at` (sinkhorn_subgroup.wgsl: a subgroup shuffle,
+// no barrier; sinkhorn_shared.wgsl: workgroup memory, one barrier per share). Every sum adds the
+// same values in the same order as `sinkhorn` (src, or dst, ascending), so the bits are its.
+fn sinkhorn_lanes(lid: u32, n: u32, iters: u32, eps: f32) -> f32 {
+    let k = min(lid % 32u, n * n - 1u);
+    let src = k % n;
+    let row = (k / n) * n;
+    var c = fadd(fmul(sk_mix(2u * n + k), sk_scale(2u)), sk_base(2u * n + k));
+    sk_share(c, lid);
+    var mx = -1.0e30;
+    for (var s = 0u; s < n; s = s + 1u) {
+        mx = max(mx, sk_at(row + s));
+    }
+    c = ds4_exp(fsub(c, mx));
+    sk_share(c, lid);
+    var sum = zero();
+    for (var s = 0u; s < n; s = s + 1u) {
+        sum = fadd(sum, sk_at(row + s));
+    }
+    c = fadd(fmul(c, fdiv(1.0, sum)), eps);
+    for (var it = 0u; it < iters; it = it + 1u) {
+        if (it > 0u) {
+            // This dst row, over src.
+            sk_share(c, lid);
+            var t = zero();
+            for (var s = 0u; s < n; s = s + 1u) {
+                t = fadd(t, sk_at(row + s));
+            }
+            c = fmul(c, fdiv(1.0, fadd(t, eps)));
+        }
+        // This src column, over dst.
+        sk_share(c, lid);
+        var t = zero();
+        for (var d = 0u; d < n; d = d + 1u) {
+            t = fadd(t, sk_at(src + d * n));
+        }
+        c = fmul(c, fdiv(1.0, fadd(t, eps)));
+    }
+    return c;
+}
+
+// Post gate j: 2 * sigmoid(mix * scale + base), as `sinkhorn` makes it.
+fn hc_post_gate(j: u32) -> f32 {
+    return fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(sk_mix(j), sk_scale(1u)), sk_base(j)))));
 }

@@ -87,6 +87,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
     Some(match entry {
         "quantize_q8_0"
         | "mat_vec_q8_0"
+        | "mat_vec_q8_0_early"
         | "mat_vec_q8_0_pair"
         | "mat_vec_f16"
         | "mat_vec_f32"
@@ -102,6 +103,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         "embed_hc"
         | "hc_split"
         | "hc_split_weighted_sum"
+        | "hc_split_weighted_sum_lanes"
         | "hc_weighted_sum"
         | "hc_post"
         | "hc_post_add"
@@ -185,6 +187,13 @@ struct Builder<'a> {
     /// Q8_0 rows of one or two chunks 4 or 2 to a lane group (`q8_short_rows`):
     /// `DS4_WGPU_Q8_ROWS=1` keeps one row per lane group.
     q8_short_rows: bool,
+    /// `DS4_WGPU_HC_SPLIT=old`: the HC split and sum as `hc_split_weighted_sum` (every workgroup
+    /// runs the Sinkhorn on 256 invocations with a barrier per step), not
+    /// `hc_split_weighted_sum_lanes` (only workgroup 0 runs it, on 32 lanes). Same bits.
+    hc_split_old: bool,
+    /// `DS4_WGPU_Q8=old`: Q8_0 matvecs as `mat_vec_q8_0` (each chunk's activation loaded after
+    /// the previous chunk's sum), not `mat_vec_q8_0_early` (loaded with the weights). Same bits.
+    q8_old: bool,
 }
 
 impl Builder<'_> {
@@ -641,6 +650,7 @@ impl Builder<'_> {
                 let entry = if entry == "mat_vec_f16" { "mat_vec_f16_split" } else { "mat_vec_f32_split" };
                 self.push(entry, rows + rows2, args, binds);
             } else if entry == "mat_vec_q8_0" {
+                let entry = if self.q8_old { entry } else { "mat_vec_q8_0_early" };
                 self.push(entry, groups(rows as usize, 8 * per as usize), args, binds);
             } else {
                 self.push(entry, groups(rows as usize, 8), args, binds);
@@ -747,7 +757,11 @@ impl Builder<'_> {
                             (7, b),
                         ];
                         let args = vec![n_hc, iters, eps.to_bits(), n as u32];
-                        self.push("hc_split_weighted_sum", groups(n, 256), args, binds);
+                        let entry = match self.hc_split_old {
+                            true => "hc_split_weighted_sum",
+                            false => "hc_split_weighted_sum_lanes",
+                        };
+                        self.push(entry, groups(n, 256), args, binds);
                         return Ok(());
                     }
                 }
@@ -1067,6 +1081,8 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Resu
         q8k_of: None,
         hc_pre_norm: std::env::var("DS4_WGPU_HC_PRE").is_ok_and(|v| v == "fused"),
         q8_short_rows: std::env::var("DS4_WGPU_Q8_ROWS").map_or(true, |v| v != "1"),
+        hc_split_old: std::env::var("DS4_WGPU_HC_SPLIT").is_ok_and(|v| v == "old"),
+        q8_old: std::env::var("DS4_WGPU_Q8").is_ok_and(|v| v == "old"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1282,7 +1298,7 @@ mod tests {
             single.dispatches.len()
         );
         assert_eq!(by.get("hc_split"), None);
-        assert_eq!(by["hc_split_weighted_sum"], 8);
+        assert_eq!(by["hc_split_weighted_sum_lanes"], 8);
         assert_eq!(by.get("hc_pre_norm"), None);
         assert_eq!(by.get("add"), None);
         assert_eq!(by["mat_vec_q8_0_pair"], 8);
