@@ -446,8 +446,14 @@ mod imp {
             plan::ATTN_SCORE_THREADS,
             plan::attn_sum_threads()
         );
+        // hc_pre_mix is in the chunk build only.
         let (mix_rows, mix_tokens) = hc_mix_tile();
-        let mix = format!("#define HC_MIX_TR {}\n#define HC_MIX_TT {}\n", mix_rows / 16, mix_tokens / 16);
+        let mix = match rows {
+            KernelRows::Chunk => {
+                format!("#define HC_MIX_TR {}\n#define HC_MIX_TT {}\n", mix_rows / 16, mix_tokens / 16)
+            }
+            KernelRows::One => String::new(),
+        };
         format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{split}{mix}{tuning}")
             + &args::c_header()
             + "\n"
