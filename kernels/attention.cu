@@ -1257,21 +1257,24 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
     // The tiles' dims past head_dim stay +0 for the scores (the copies write the first head_dim).
     for (u32 f = tid; f < 2 * ATTN_WIDE_TILE * 128; f += ATTN_WIDE_THREADS) *(float4*)(tiles + 4 * f) = zero4;
 
-    // Row r's address: raw rows oldest first, then compressed rows (the selected list's order
-    // when indexed; a selected index is read as `attention` reads it).
-    auto kv_row = [&](u32 r) -> const float* {
+    // Rows in `attention`'s order: raw rows oldest first, then compressed rows (the selected
+    // list's order when indexed; a selected index is read as `attention` reads it). Row r's
+    // compressed index, read a tile before its copies so that they wait on no load:
+    auto comp_index = [&](u32 r) -> int {
+        if (r < n_raw || r >= n_rows) return 0;
+        return indexed ? a.selected[r - n_raw] : (int)(r - n_raw);
+    };
+    // Warp w copies tile row w (ci: its comp_index): lane l the float4s l, l + 32, l + 64, l + 96.
+    auto issue_tile = [&](u32 t0, u32 b, int ci) {
+        const u32 r = t0 + warp;
+        if (r >= n_rows) return;
+        const float* src = a.comp + (u64)ci * head_dim;
         if (r < n_raw) {
             u32 i = ring0 + r;
             if (i >= a.raw_cap) i -= a.raw_cap;
-            return a.raw + (u64)i * head_dim;
+            src = a.raw + (u64)i * head_dim;
         }
-        const u32 c = r - n_raw;
-        return a.comp + (u64)(indexed ? a.selected[c] : (int)c) * head_dim;
-    };
-    // Warp w copies tile row w: lane l the float4s l, l + 32, l + 64, l + 96.
-    auto issue_tile = [&](u32 t0, u32 b) {
-        if (t0 + warp >= n_rows) return;
-        const float* const src = kv_row(t0 + warp) + 4 * lane;
+        src += 4 * lane;
         float* const dst = tiles + (b * ATTN_WIDE_TILE + warp) * 512 + 4 * lane;
 #pragma unroll
         for (u32 k = 0; k < 4; k++)
@@ -1293,13 +1296,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
             if (d < head_dim && hq0 + k < n_group) q[k][u] = *(const float4*)(a.q + (u64)(h0 + hq0 + k) * head_dim + d);
         }
     float* const wpart = part + warp * ATTN_WIDE_TILE * ATTN_R2_PROW;
-    issue_tile(0, 0);
+    issue_tile(0, 0, comp_index(warp));
+    int ci = comp_index(ATTN_WIDE_TILE + warp);
     for (u32 t0 = 0, it = 0; t0 < n_rows; t0 += ATTN_WIDE_TILE, it++) {
         // This tile's copies are done (each thread's own), then everyone's; the other buffer is
         // free (its tile's math is done).
         attn_cp_async_wait();
         __syncthreads();
-        if (t0 + ATTN_WIDE_TILE < n_rows) issue_tile(t0 + ATTN_WIDE_TILE, (it + 1) & 1);
+        if (t0 + ATTN_WIDE_TILE < n_rows) {
+            issue_tile(t0 + ATTN_WIDE_TILE, (it + 1) & 1, ci);
+            ci = comp_index(t0 + 2 * ATTN_WIDE_TILE + warp);
+        }
         if (!busy) continue;
         const float* kr = tiles + (it & 1) * ATTN_WIDE_TILE * 512 + lane * 4;
         float* pw = wpart + lane * 4;
@@ -1414,7 +1421,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
     const float* const vbase = tiles + 4 * dq;
     const float* const wbase = wt + 8 * oct;
     float4* const accp = acc_sh + tid;
-    issue_tile(0, 0);
+    issue_tile(0, 0, comp_index(warp));
+    ci = comp_index(ATTN_WIDE_TILE + warp);
     load_weight(0);
     for (u32 t0 = 0, it = 0; t0 < n_rows; t0 += ATTN_WIDE_TILE, it++) {
         const u32 b = it & 1;
@@ -1422,7 +1430,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
         wt[b * ATTN_WIDE_TILE * ATTN_WIDE_HEADS + tid] = wpf;
         __syncthreads();
         if (t0 + ATTN_WIDE_TILE < n_rows) {
-            issue_tile(t0 + ATTN_WIDE_TILE, b ^ 1);
+            issue_tile(t0 + ATTN_WIDE_TILE, b ^ 1, ci);
+            ci = comp_index(t0 + 2 * ATTN_WIDE_TILE + warp);
             load_weight(t0 + ATTN_WIDE_TILE);
         }
         if (!busy_sum) continue;
