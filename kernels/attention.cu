@@ -1189,6 +1189,325 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
 }
 #endif
 
+#if DS4_CHUNK_ROWS
+// attention_row_wide (mod.rs picks it with DS4_CUDA_ATTN_ROWS=wide): a block per (token row,
+// group of 32 heads), 256 threads, two blocks per SM. Past ~2k positions two rows' indexer
+// picks overlap little, so attention_rows2's pair shares few KV rows while every warp walks the
+// union and skips what is not its own; here the universe is the row's own rows in `attention`'s
+// order (raw window rows oldest first, then the selected list or every visible compressed row),
+// so every staged row feeds all 32 heads and nothing is skipped. Every (row, head) gets
+// `attention`'s bits by attention_rows2's float order:
+//   Scores: warp w takes heads 4w..4w + 3 (q in registers) over every staged row: lane sums,
+//     the xor-16 level, then a lane per (tile row, head) the butterfly's other levels; d = 0 +
+//     that, times kq_scale. The lane sum's first product enters without `0 +` (it feeds d = 0 +
+//     ..., which absorbs a zero's sign; attention_rows).
+//   Softmax: warp w its 4 heads, as attention_rows2.
+//   Weighted sum: thread (heads 8 (tid / 64) .. + 7, dims 4 dq .. + 3 and 256 + 4 dq .. + 3,
+//     dq = tid % 64) walks the rows in order: p += w * v inside a chunk of DS4_ATTN_ROW_CHUNK
+//     rows, the totals in shared memory += p at its end; out = (acc + p) * inv.
+// KV tiles of ATTN_WIDE_TILE rows by cp.async, double buffered, one barrier a tile, staged twice
+// (scores, then the weighted sum). Heads past n_head compute zeros and store nothing; the
+// barriers stay uniform. head_dim <= 512 and a multiple of 4 (mod.rs). blockIdx.y is the token
+// row (DS4_GUARD), so it is not an ALL_ROWS_KERNELS kernel.
+// Dynamic shared memory, ATTN_W_SMEM bytes (mod.rs: attn_wide_smem), in floats:
+//   [0, 8192)         two KV tiles of ATTN_WIDE_TILE rows x 512
+//   [8192, 24576)     acc [16 float4][256 threads]; before the weighted sum the softmax's
+//                     buffers (8 warps x 1024); during the scores the level-one sums (8 warps x
+//                     ATTN_WIDE_TILE x ATTN_R2_PROW) at 8192 floats in
+//   [24576, 25088)    the weights of two tiles [tile][row][head]
+//   [25088, 25120)    1 / denom [head]
+#define ATTN_WIDE_THREADS 256
+#define ATTN_WIDE_HEADS 32
+#define ATTN_WIDE_TILE 8
+#define ATTN_W_TILES 0
+#define ATTN_W_ACC (2 * ATTN_WIDE_TILE * 512)
+#define ATTN_W_PART (ATTN_W_ACC + 8 * 1024)
+#define ATTN_W_WT (ATTN_W_ACC + 16 * 4 * ATTN_WIDE_THREADS)
+#define ATTN_W_INV (ATTN_W_WT + 2 * ATTN_WIDE_TILE * ATTN_WIDE_HEADS)
+#define ATTN_W_SMEM (4 * (ATTN_W_INV + ATTN_WIDE_HEADS))
+static_assert(ATTN_WIDE_TILE == 8 && ATTN_WIDE_THREADS == 256 && ATTN_WIDE_HEADS == 32,
+              "the layout above: a warp per tile row, 4 heads a warp, 8 heads a weighted-sum thread");
+static_assert(DS4_ATTN_ROW_CHUNK % ATTN_WIDE_TILE == 0, "a chunk of rows starts at a tile's start");
+static_assert(8 * ATTN_WIDE_TILE * ATTN_R2_PROW <= 8 * 1024, "the level-one sums fit beside the softmax buffers");
+
+extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row_wide(DS4_ARGS, AttentionArgs a) {
+    DS4_GUARD;
+    extern __shared__ __align__(16) float attn_w_smem[];
+#if __CUDA_ARCH__
+    // The host sizes the dynamic shared memory (mod.rs: attn_wide_smem); a smaller one is a bug.
+    u32 smem_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    if (smem_bytes < ATTN_W_SMEM) __trap();
+#endif
+    float* const tiles = attn_w_smem + ATTN_W_TILES;
+    float4* const acc_sh = (float4*)(attn_w_smem + ATTN_W_ACC);
+    float* const part = attn_w_smem + ATTN_W_PART;
+    float* const wt = attn_w_smem + ATTN_W_WT;
+    float* const inv_sh = attn_w_smem + ATTN_W_INV;
+    const u32 head_dim = a.head_dim;
+    const u32 h0 = blockIdx.x * ATTN_WIDE_HEADS, n_group = min((u32)ATTN_WIDE_HEADS, a.n_head - h0);
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 n_raw = ds4_raw_rows(P, a.window, a.raw_cap);
+    const u32 n_comp = ds4_comp_rows(P, a.ratio, a.comp_cap);
+    const bool indexed = a.selected != 0 && n_comp > a.top_k;
+    const u32 n_rows = n_raw + (indexed ? a.top_k : n_comp);
+    // The raw rows' ring indices from ring0 on wrap at most once (n_raw <= raw_cap).
+    const u32 ring0 = (P->pos + 1 - n_raw) % a.raw_cap;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The tiles' dims past head_dim stay +0 for the scores (the copies write the first head_dim).
+    for (u32 f = tid; f < 2 * ATTN_WIDE_TILE * 128; f += ATTN_WIDE_THREADS) *(float4*)(tiles + 4 * f) = zero4;
+
+    // Rows in `attention`'s order: raw rows oldest first, then compressed rows (the selected
+    // list's order when indexed; a selected index is read as `attention` reads it). Row r's
+    // compressed index, read a tile before its copies so that they wait on no load:
+    auto comp_index = [&](u32 r) -> int {
+        if (r < n_raw || r >= n_rows) return 0;
+        return indexed ? a.selected[r - n_raw] : (int)(r - n_raw);
+    };
+    // Warp w copies tile row w (ci: its comp_index): lane l the float4s l, l + 32, l + 64, l + 96.
+    auto issue_tile = [&](u32 t0, u32 b, int ci) {
+        const u32 r = t0 + warp;
+        if (r >= n_rows) return;
+        const float* src = a.comp + (u64)ci * head_dim;
+        if (r < n_raw) {
+            u32 i = ring0 + r;
+            if (i >= a.raw_cap) i -= a.raw_cap;
+            src = a.raw + (u64)i * head_dim;
+        }
+        src += 4 * lane;
+        float* const dst = tiles + (b * ATTN_WIDE_TILE + warp) * 512 + 4 * lane;
+#pragma unroll
+        for (u32 k = 0; k < 4; k++)
+            if (4 * lane + 128 * k < head_dim) attn_cp_async16(dst + 128 * k, src + 128 * k);
+    };
+    // The tiles' zeros are written before any copy lands beside them.
+    __syncthreads();
+
+    // Scores: this warp's 4 heads (warps past n_group only keep the barriers).
+    const u32 hq0 = warp * 4;
+    const bool busy = hq0 < n_group;
+    float4 q[4][4];
+#pragma unroll
+    for (u32 k = 0; k < 4; k++)
+#pragma unroll
+        for (u32 u = 0; u < 4; u++) {
+            const u32 d = u * 128 + lane * 4;
+            q[k][u] = zero4;
+            if (d < head_dim && hq0 + k < n_group) q[k][u] = *(const float4*)(a.q + (u64)(h0 + hq0 + k) * head_dim + d);
+        }
+    float* const wpart = part + warp * ATTN_WIDE_TILE * ATTN_R2_PROW;
+    issue_tile(0, 0, comp_index(warp));
+    int ci = comp_index(ATTN_WIDE_TILE + warp);
+    for (u32 t0 = 0, it = 0; t0 < n_rows; t0 += ATTN_WIDE_TILE, it++) {
+        // This tile's copies are done (each thread's own), then everyone's; the other buffer is
+        // free (its tile's math is done).
+        attn_cp_async_wait();
+        __syncthreads();
+        if (t0 + ATTN_WIDE_TILE < n_rows) {
+            issue_tile(t0 + ATTN_WIDE_TILE, (it + 1) & 1, ci);
+            ci = comp_index(t0 + 2 * ATTN_WIDE_TILE + warp);
+        }
+        if (!busy) continue;
+        const float* kr = tiles + (it & 1) * ATTN_WIDE_TILE * 512 + lane * 4;
+        float* pw = wpart + lane * 4;
+        const u32 nj = min((u32)ATTN_WIDE_TILE, n_rows - t0);
+        for (u32 jj = 0; jj < nj; jj++, kr += 512, pw += ATTN_R2_PROW) {
+            // Dims past head_dim hold +0 in q and in the tile: their products and sums are +0,
+            // as the lane sums that skip them.
+            float acc[4];
+            const float4 y0 = *(const float4*)kr;
+#pragma unroll
+            for (u32 k = 0; k < 4; k++) {
+                acc[k] = q[k][0].x * y0.x;
+                acc[k] += q[k][0].y * y0.y;
+                acc[k] += q[k][0].z * y0.z;
+                acc[k] += q[k][0].w * y0.w;
+            }
+#pragma unroll
+            for (u32 u = 1; u < 4; u++) {
+                const float4 y = *(const float4*)(kr + u * 128);
+#pragma unroll
+                for (u32 k = 0; k < 4; k++) {
+                    acc[k] += q[k][u].x * y.x;
+                    acc[k] += q[k][u].y * y.y;
+                    acc[k] += q[k][u].z * y.z;
+                    acc[k] += q[k][u].w * y.w;
+                }
+            }
+            float4 s1;
+            s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
+            s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
+            s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
+            s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+            if (lane < 16) *(float4*)pw = s1;
+        }
+        __syncwarp();
+        // Lane (tile row lane / 4, head lane % 4): the butterfly's levels 8, 4, 2, 1 of the
+        // level-one sums of lanes 0..15.
+        const u32 mj = lane >> 2, mk = lane & 3;
+        if (mj < nj && hq0 + mk < n_group) {
+            const float* const pp = wpart + mj * ATTN_R2_PROW + mk;
+            float s[16];
+#pragma unroll
+            for (u32 l = 0; l < 16; l++) s[l] = pp[l * 4];
+#pragma unroll
+            for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
+#pragma unroll
+            for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
+#pragma unroll
+            for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
+            float d = 0.0f;
+            d += s[0] + s[1];
+            a.scores[(u64)(h0 + hq0 + mk) * a.max_rows + t0 + mj] = d * a.kq_scale;
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    // Softmax: warp w its heads 4w + k, k = 0..3, as attention_rows2 (its buffer in the acc area).
+    const u32 n_chunks = (n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+    float* const wbuf = attn_w_smem + ATTN_W_ACC + warp * 1024;
+    const bool inbuf = n_rows + n_chunks <= 1024;
+    for (u32 k = 0; k < 4; k++) {
+        const u32 hh = hq0 + k;
+        if (hh >= n_group) break;
+        float* sc = a.scores + (u64)(h0 + hh) * a.max_rows;
+        const float sink = a.sinks[h0 + hh];
+        float m = sink;
+        for (u32 r = lane; r < n_rows; r += 32) m = fmaxf(m, sc[r]);
+        m = warp_max(m);
+        for (u32 r = lane; r < n_rows; r += 32) {
+            const float e = ds4_expf(sc[r] - m);
+            sc[r] = e;
+            if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
+        }
+        __syncwarp();
+        // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
+        // sums in order.
+        float denom = ds4_expf(sink - m);
+        for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
+            const u32 c = c0 + lane;
+            float s = 0.0f;
+            if (c < n_chunks) {
+                const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, n_rows);
+                for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
+            }
+            for (u32 l = 0; l < 32; l++) {
+                const float cs = __shfl_sync(0xffffffffu, s, l);
+                if (c0 + l < n_chunks) denom += cs;
+            }
+        }
+        if (lane == 0) inv_sh[hh] = 1.0f / denom;
+        __syncwarp();
+    }
+    __syncthreads();
+
+    // Weighted sum: thread (heads 8 oct .. + 7, dims 4 dq .. + 3 and 256 + 4 dq .. + 3). Its
+    // totals acc[k][hf] in shared memory at acc_sh[(2 k + hf) * 256 + tid], from +0.
+    const u32 oct = tid >> 6, dq = tid & 63;
+    const bool busy_sum = 8 * oct < n_group;
+#pragma unroll
+    for (u32 s = 0; s < 16; s++) acc_sh[s * ATTN_WIDE_THREADS + tid] = zero4;
+    // Staging the weights: thread (tile row, head).
+    const u32 wj = tid >> 5, wh = tid & 31;
+    const float* const wsc = a.scores + (u64)(h0 + wh) * a.max_rows;
+    float wpf = 0.0f;
+    auto load_weight = [&](u32 t0) {
+        wpf = 0.0f;
+        if (t0 + wj < n_rows && wh < n_group) wpf = wsc[t0 + wj];
+    };
+    float4 p[8][2];
+#pragma unroll
+    for (u32 k = 0; k < 8; k++) p[k][0] = p[k][1] = zero4;
+    const float* const vbase = tiles + 4 * dq;
+    const float* const wbase = wt + 8 * oct;
+    float4* const accp = acc_sh + tid;
+    issue_tile(0, 0, comp_index(warp));
+    ci = comp_index(ATTN_WIDE_TILE + warp);
+    load_weight(0);
+    for (u32 t0 = 0, it = 0; t0 < n_rows; t0 += ATTN_WIDE_TILE, it++) {
+        const u32 b = it & 1;
+        attn_cp_async_wait();
+        wt[b * ATTN_WIDE_TILE * ATTN_WIDE_HEADS + tid] = wpf;
+        __syncthreads();
+        if (t0 + ATTN_WIDE_TILE < n_rows) {
+            issue_tile(t0 + ATTN_WIDE_TILE, b ^ 1, ci);
+            ci = comp_index(t0 + 2 * ATTN_WIDE_TILE + warp);
+            load_weight(t0 + ATTN_WIDE_TILE);
+        }
+        if (!busy_sum) continue;
+        if (t0 > 0 && t0 % DS4_ATTN_ROW_CHUNK == 0) {
+            // A chunk of rows ended with the last tile: its sums join the totals in order.
+#pragma unroll
+            for (u32 k = 0; k < 8; k++)
+#pragma unroll
+                for (u32 hf = 0; hf < 2; hf++) {
+                    float4& acc = accp[(2 * k + hf) * ATTN_WIDE_THREADS];
+                    float4 t = acc;
+                    t.x += p[k][hf].x;
+                    t.y += p[k][hf].y;
+                    t.z += p[k][hf].z;
+                    t.w += p[k][hf].w;
+                    acc = t;
+                    p[k][hf] = zero4;
+                }
+        }
+        const float* vr = vbase + b * ATTN_WIDE_TILE * 512;
+        const float* wr = wbase + b * ATTN_WIDE_TILE * ATTN_WIDE_HEADS;
+        const u32 nj = min((u32)ATTN_WIDE_TILE, n_rows - t0);
+        for (u32 j = 0; j < nj; j++, vr += 512, wr += ATTN_WIDE_HEADS) {
+            const float4 v[2] = {*(const float4*)vr, *(const float4*)(vr + 256)};
+            const float4 w0 = *(const float4*)wr;
+            const float4 w1 = *(const float4*)(wr + 4);
+            const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+            for (u32 k = 0; k < 8; k++)
+#pragma unroll
+                for (u32 hf = 0; hf < 2; hf++) {
+                    p[k][hf].x += w[k] * v[hf].x;
+                    p[k][hf].y += w[k] * v[hf].y;
+                    p[k][hf].z += w[k] * v[hf].z;
+                    p[k][hf].w += w[k] * v[hf].w;
+                }
+        }
+    }
+    if (busy_sum) {
+#pragma unroll
+        for (u32 k = 0; k < 8; k++) {
+            const u32 hh = 8 * oct + k;
+            if (hh >= n_group) break;
+            const float inv = inv_sh[hh];
+#pragma unroll
+            for (u32 hf = 0; hf < 2; hf++) {
+                const u32 d = hf * 256 + 4 * dq;
+                if (d >= head_dim) break;
+                const float4 acc = acc_sh[(2 * k + hf) * ATTN_WIDE_THREADS + tid];
+                float4 o;
+                o.x = (acc.x + p[k][hf].x) * inv;
+                o.y = (acc.y + p[k][hf].y) * inv;
+                o.z = (acc.z + p[k][hf].z) * inv;
+                o.w = (acc.w + p[k][hf].w) * inv;
+                *(float4*)(a.out + (u64)(h0 + hh) * head_dim + d) = o;
+            }
+        }
+    }
+    // Fused (plan.rs): the inverse RoPE of each head's tail, then the heads' Q8_0 quantization,
+    // as `attention` computes them.
+    if (a.rope) {
+        __syncthreads();
+        const u32 pairs = a.n_rot / 2, per = n_group * pairs;
+        float* const og = a.out + (u64)h0 * head_dim + (head_dim - a.n_rot);
+        for (u32 t = tid; t < per; t += ATTN_WIDE_THREADS)
+            rope_pair(og + (t / pairs) * head_dim, a.rope + (u64)P->pos * pairs * 2, t % pairs, true);
+    }
+    if (a.xq) {
+        __syncthreads();
+        const u32 nb = n_group * head_dim / 32;
+        for (u32 b = warp; b < nb; b += ATTN_WIDE_THREADS / 32)
+            quantize_q8_0_warp(a.out[(u64)h0 * head_dim + b * 32 + lane], a.xq, a.xd, h0 * (head_dim / 32) + b, lane);
+    }
+}
+#endif
+
 #if !DS4_CHUNK_ROWS
 // attention's decode form split over the KV rows (plan.rs picks it for a decode program with
 // head_dim <= 512; DS4_CUDA_ATTN_DECODE=0 keeps `attention`). `attention` runs a block per head

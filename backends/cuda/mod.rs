@@ -252,6 +252,20 @@ mod imp {
     fn attn_rows2_smem() -> u32 {
         4 * (2 * 8 * 512 + 16 * 4 * 256 + 2 * 8 * 2 * 16 + 3072 + 2 * 16 + 4)
     }
+    /// The chunk build's attention with a block per (token row, 32 heads) over the row's own KV
+    /// rows (kernels/attention.cu: attention_row_wide: every staged row feeds 32 heads, no union
+    /// and nothing skipped; two blocks per SM), the same bits; `DS4_CUDA_ATTN_ROWS=wide` picks
+    /// it, to measure against [`ATTN_ROWS2_KERNEL`].
+    fn attn_rows_wide() -> bool {
+        env_is("DS4_CUDA_ATTN_ROWS", "wide")
+    }
+    const ATTN_WIDE_KERNEL: &str = "attention_row_wide";
+    /// Its dynamic shared memory, as kernels/attention.cu lays it out (ATTN_W_SMEM), in floats:
+    /// two KV tiles of 8 rows x 512, the totals (16 float4 x 256 threads), two tiles' weights (8
+    /// rows x 32 heads), 1 / denom (32 heads).
+    fn attn_wide_smem() -> u32 {
+        4 * (2 * 8 * 512 + 16 * 4 * 256 + 2 * 8 * 32 + 32)
+    }
 
     /// The chunk build's indexer scores with a thread per few (token row, compressed row) pairs
     /// (kernels/indexer.cu: indexer_scores_chunk): the pairs a thread takes, token rows by
@@ -1727,6 +1741,16 @@ mod imp {
                         let a = bytemuck::try_pod_read_unaligned::<args::AttentionArgs>(bytemuck::cast_slice(&r.args))
                             .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
                         match attn_chunk_threads().filter(|_| a.head_dim <= 512) {
+                            // A block per (group of 32 heads, token row): same bits, each staged KV
+                            // row feeds the group's 32 heads (blockIdx.y is the token row).
+                            Some(_) if attn_rows_kernel() && attn_rows_wide() && rows <= 65535 => {
+                                r.kernel = ATTN_WIDE_KERNEL;
+                                r.func = funcs.get(ATTN_WIDE_KERNEL)?;
+                                r.block = 256;
+                                r.grid = a.n_head.div_ceil(32);
+                                r.smem = attn_wide_smem();
+                                opt_in_smem(&r)?;
+                            }
                             // A block per (two rows, 16 heads): same bits, each KV row read once
                             // for 32 (row, head) pairs (the row count in cond bits 50..62).
                             Some(_) if attn_rows_kernel() && rows < 1 << 13 => {

@@ -83,7 +83,11 @@ static int run(const Config& c) {
     {
         const AttentionArgs a = args(out_new, sc_new, xq_new, xd_new);
         const RowStrides R = strides(out_new, sc_new, xq_new, xd_new);
-#if defined(EMU_ATTN_ROWS2)
+#if defined(EMU_ATTN_WIDE)
+        // As mod.rs launches it: a block per (group of 32 heads, token row), cond as the plan's.
+        emu_launch({(nh + ATTN_WIDE_HEADS - 1) / ATTN_WIDE_HEADS, c.rows, 1}, ATTN_WIDE_THREADS,
+                   [&] { attention_row_wide(P0, cond, R, a); });
+#elif defined(EMU_ATTN_ROWS2)
         // As mod.rs launches it: attention_rows's grid and block (its shared memory is static here).
         const u64 rcond = cond | (u64)c.rows << 50;
         emu_launch({(nh + 15) / 16, (c.rows + 1) / 2, 1}, ATTN_ROWS_THREADS, [&] { attention_rows2(P0, rcond, R, a); });
@@ -133,7 +137,10 @@ static int run(const Config& c) {
                 differ("Q8_0 scale of block", y, b, xd_old.row<float>(y) + b, xd_new.row<float>(y) + b, 4);
             }
     }
-#if defined(EMU_ATTN_ROWS2)
+#if defined(EMU_ATTN_WIDE)
+    const char* form = "attention_row_wide";
+    const u32 threads = ATTN_WIDE_THREADS;
+#elif defined(EMU_ATTN_ROWS2)
     const char* form = "attention_rows2";
     const u32 threads = ATTN_ROWS_THREADS;
 #elif defined(EMU_ATTN_ROWS)
@@ -162,7 +169,7 @@ int main(int argc, char** argv) {
         {"tiny heads, 33 row chunks", 3, 8, 1024, 1030, 2, 1200, 2000, false, 0, false, 3, 3, 2100},
         {"tiny heads, 33 chunks indexed", 2, 12, 1500, 1502, 2, 2000, 600, true, 4, false, 3, 3, 2400},
         {"head_dim 128, first tokens", 16, 128, 64, 70, 4, 16, 4, true, 64, true, 7, 7, 0},
-#if defined(EMU_ATTN_ROWS) || defined(EMU_ATTN_ROWS2)
+#if defined(EMU_ATTN_ROWS) || defined(EMU_ATTN_ROWS2) || defined(EMU_ATTN_WIDE)
         // attention_rows shares a pair of token rows' KV rows: odd row counts (a lone last row),
         // windows that wrap the ring inside the chunk, chunks of 1, 7, 64 and 256 (part active),
         // with and without the indexer's lists, Flash heads and small ones, lists that are not
@@ -179,13 +186,21 @@ int main(int argc, char** argv) {
         {"lists not ascending: rows alone", 5, 36, 16, 40, 2, 40, 6, true, 8, false, 7, 7, 23, true},
         {"flash heads, 2 rows indexer 512", 64, 512, 128, 136, 4, 600, 512, true, 64, true, 2, 2, 2100},
 #endif
-#ifdef EMU_ATTN_ROWS2
+#if defined(EMU_ATTN_ROWS2) || defined(EMU_ATTN_WIDE)
         // attention_rows2 shares the union of the two rows' compressed rows: two picks of 512 from
         // 4,096 (past attention_rows' table), every row of a long ratio-128 cache, and more
         // compressed rows than its bitmap holds (each row alone).
         {"union of two picks from 4096", 4, 32, 128, 136, 4, 4200, 512, true, 8, true, 4, 4, 16384},
         {"union: 1562 rows, no indexer", 3, 16, 128, 136, 128, 1600, 512, false, 4, false, 3, 3, 200000},
         {"union past the bitmap: rows alone", 2, 8, 16, 24, 2, 70000, 16, true, 0, false, 3, 3, 140000},
+#endif
+#ifdef EMU_ATTN_WIDE
+        // attention_row_wide: a block per (token row, 32 heads): a chunk of 1,040 rows (some off)
+        // with indexer picks of 50 (two chunks of rows) and the window wrapping; 20 heads (a part
+        // group) over 110 rows; 36 heads of dim 128 (a second group of 4).
+        {"1040 rows, indexer, window wraps", 2, 32, 24, 30, 4, 400, 50, true, 8, true, 1040, 1031, 500},
+        {"20 heads, indexer 70", 20, 64, 40, 44, 4, 100, 70, true, 16, true, 9, 9, 300},
+        {"36 heads, dim 128, part group", 36, 128, 40, 44, 8, 20, 6, true, 16, true, 5, 5, 140},
 #endif
     };
     const int only = argc > 1 ? atoi(argv[1]) : -1;

@@ -38,6 +38,9 @@ body = body.replace("extern __shared__ __align__(16) u8 q8t_smem[];", "static __
 body = body.replace(
     "extern __shared__ __align__(16) float attn_r2_smem[];", "static __align__(16) float attn_r2_smem[ATTN_R2_SMEM / 4];"
 )
+body = body.replace(
+    "extern __shared__ __align__(16) float attn_w_smem[];", "static __align__(16) float attn_w_smem[ATTN_W_SMEM / 4];"
+)
 body = body.replace("extern __shared__ __align__(16) u8 gut_smem[];", "static __align__(16) u8 gut_smem[GUT_SMEM];")
 # The int8 MMA wrappers (kernels/moe.cu mma_s8_k32: d, a, b) call the emulator's warp collective.
 body = re.sub(
