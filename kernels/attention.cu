@@ -715,7 +715,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
 #endif
 
 #if DS4_CHUNK_ROWS
-// attention_rows with two blocks per SM (mod.rs picks it with DS4_CUDA_ATTN_ROWS=new): the same
+// attention_rows with two blocks per SM (mod.rs picks it with DS4_CUDA_ATTN_ROWS=rows2): the same
 // blocks, universe, warps' roles and float order as attention_rows, so every (row, head) gets
 // `attention`'s bits; what differs is where values live:
 //   - the weighted sum's running totals (acc, 64 floats a thread) live in shared memory, read
@@ -1190,8 +1190,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
 #endif
 
 #if DS4_CHUNK_ROWS
-// attention_row_wide (mod.rs picks it with DS4_CUDA_ATTN_ROWS=wide): a block per (token row,
-// group of 32 heads), 256 threads, two blocks per SM. Past ~2k positions two rows' indexer
+// attention_row_wide (the default; DS4_CUDA_ATTN_ROWS=rows2 or old picks the pair kernels): a
+// block per (token row, group of 32 heads), 256 threads, two blocks per SM. Past ~2k positions two rows' indexer
 // picks overlap little, so attention_rows2's pair shares few KV rows while every warp walks the
 // union and skips what is not its own; here the universe is the row's own rows in `attention`'s
 // order (raw window rows oldest first, then the selected list or every visible compressed row),

@@ -239,8 +239,8 @@ mod imp {
     const ATTN_ROWS_KERNEL: &str = "attention_rows";
     /// [`ATTN_ROWS_KERNEL`]'s blocks with two per SM (kernels/attention.cu: attention_rows2: the
     /// weighted sum's totals in shared memory, <= 128 registers, KV tiles by cp.async, the two
-    /// rows' compressed rows as one union), the same bits; the default (Flash 2,048-token prefill
-    /// 1,479.9 -> 1,623.2 tok/s alone on the H200). `DS4_CUDA_ATTN_ROWS=old` keeps attention_rows.
+    /// rows' compressed rows as one union), the same bits (Flash 2,048-token prefill 1,479.9 ->
+    /// 1,623.2 tok/s alone on the H200). `DS4_CUDA_ATTN_ROWS=rows2` picks it, `=old` attention_rows.
     fn attn_rows_new() -> bool {
         !env_is("DS4_CUDA_ATTN_ROWS", "old")
     }
@@ -254,10 +254,10 @@ mod imp {
     }
     /// The chunk build's attention with a block per (token row, 32 heads) over the row's own KV
     /// rows (kernels/attention.cu: attention_row_wide: every staged row feeds 32 heads, no union
-    /// and nothing skipped; two blocks per SM), the same bits; `DS4_CUDA_ATTN_ROWS=wide` picks
-    /// it, to measure against [`ATTN_ROWS2_KERNEL`].
+    /// and nothing skipped; two blocks per SM), the same bits; the default (H200, Flash in chunks
+    /// of 2048: 2k prompt 2,479.5 -> 2,578.7 tok/s, 16k 1,953.5 -> 2,096.9 against rows2).
     fn attn_rows_wide() -> bool {
-        env_is("DS4_CUDA_ATTN_ROWS", "wide")
+        !env_is("DS4_CUDA_ATTN_ROWS", "rows2") && !env_is("DS4_CUDA_ATTN_ROWS", "old")
     }
     const ATTN_WIDE_KERNEL: &str = "attention_row_wide";
     /// Its dynamic shared memory, as kernels/attention.cu lays it out (ATTN_W_SMEM), in floats:
