@@ -1300,37 +1300,19 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_down_m
     }
 }
 
-// The second generation of the tensor-core experts (plan.rs takes them unless DS4_CUDA_MOE_MMA=1
-// keeps the first, or =0 the CUDA cores): moe_gate_up_mma2_iq2_xxs and moe_down_mma2_q2_k. The same
-// tiles, MMAs, integer block sums and float order as the kernels above, with the overheads those
-// measured removed: each weight fragment is decoded once for MOE2_TILES tiles of 8 pairs; a lane
-// takes a block's words from a per-warp copy in shared memory (one broadcast load) instead of
-// shuffles; the grid codes come from a table replicated over the banks and the signs from a
-// multiply; the activations of a block's pairs are staged in shared memory once for all warps
-// (padded rows: no bank conflicts), a phase ahead; weights are prefetched into L2 a few blocks
-// ahead; and the block terms go through a leaf tree held in registers (the old one spilled it to
-// local memory).
+// Helpers of the tile experts below (moe_gate_up_tile_iq2_xxs, moe_down_tile_q2_k): the IQ2_XXS
+// grid codes from a table replicated over the banks and the signs from a multiply, the
+// activations permuted to the MMA's k order, weights prefetched into L2 a few blocks ahead. (They
+// came from a second generation of tensor-core experts, moe_*_mma2_*, slower than the first on
+// the H200 and removed.)
 
-// Tiles of 8 pairs one pass over an expert's weights serves (more pairs: more passes), the blocks
-// per SM the registers must allow, the leaves (blocks) whose activations one phase stages, and
-// how many leaves ahead weights are prefetched into L2. One tile fits 2 blocks of 256 per SM
-// without spilling (120 registers); two spill about 150 bytes a thread at 128 registers (a
-// variant to measure where experts have more than 8 pairs: DS4_CUDA_DEFINES="MOE2_TILES=2").
-#ifndef MOE2_TILES
-#define MOE2_TILES 1
-#endif
+// The blocks per SM the down tile's registers must allow, and how many leaves ahead weights are
+// prefetched into L2.
 #ifndef MOE2_MIN_BLOCKS
 #define MOE2_MIN_BLOCKS 2
 #endif
-#ifndef MOE2_PHASE
-#define MOE2_PHASE 2
-#endif
 #ifndef MOE2_L2_AHEAD
 #define MOE2_L2_AHEAD 4
-#endif
-// Pairs of sub-blocks decoded per iteration of a block's loop (registers against scheduling).
-#ifndef MOE2_UNROLL
-#define MOE2_UNROLL 1
 #endif
 // Copies of the code table (16: a lookup of 32 lanes meets at most 2 on a bank).
 #define MOE2_COPIES 16
@@ -1349,18 +1331,6 @@ __device__ __forceinline__ uint2 moe2_scales8(const u8* p) {
 __device__ __forceinline__ void moe2_prefetch_l2(const void* p) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
-// MOE2_PRMT_LO in a register the compiler keeps (it otherwise rebuilds the constant for every
-// prmt, whose first operand must be a register).
-__device__ __forceinline__ u32 moe2_prmt_lo() {
-#if __CUDA_ARCH__ >= 800
-    u32 r;
-    asm volatile("mov.b32 %0, 0xe719f808;" : "=r"(r));
-    return r;
-#else
-    return MOE2_PRMT_LO;
 #endif
 }
 
@@ -1394,458 +1364,17 @@ __device__ __forceinline__ void moe2_code_table(const u64* grid, u32* codes) {
     }
 }
 
-// Grid entry t of an IQ2_XXS sub-block (words aux0, aux1) with its signs: weights 0, 4, 1, 5 in
-// lo, 2, 6, 3, 7 in hi, as bytes iq2_xxs_sub would dot. The 7 sign bits go to bit 0 of nibbles
-// 0, 2, 4, 6, 1, 3, 5 by one multiply (bit i lands at i + 7j; the products never overlap) and their
-// parity to nibble 7. `rot` = (8 t + 26) % 32 puts the entry's index at bits 6-13; `copy` is the
-// lane's copy of the table, times 4.
-__device__ __forceinline__ void moe2_entry(u32 aux0, u32 aux1, u32 t, u32 rot, u32 copy, const u32* codes, u32* lo,
-                                           u32* hi) {
-    const u32 at = (moe2_rotr(aux0, rot) & 0x3fc0u) | copy;
-    const u32 code = *(const u32*)((const u8*)codes + at);
-    const u32 s = (aux1 >> (7 * t)) & 127;
-    const u32 sel = (((s * 0x00204081u) & 0x01111111u) | code) | (((u32)__popc(s) << 28) & 0x10000000u);
-    *lo = prmt(moe2_prmt_lo(), MOE2_PRMT_HI, sel);
-    *hi = prmt(moe2_prmt_lo(), MOE2_PRMT_HI, sel >> 16);
-}
-
-// 16 activation bytes (two entries of 8) in the MMA's k order of moe2_entry.
+// 16 activation bytes (two entries of 8) in the MMA's k order of gut_entry.
 __device__ __forceinline__ int4 moe2_permute(int4 v) {
     return make_int4((int)prmt((u32)v.x, (u32)v.y, 0x5140u), (int)prmt((u32)v.x, (u32)v.y, 0x7362u),
                      (int)prmt((u32)v.z, (u32)v.w, 0x5140u), (int)prmt((u32)v.z, (u32)v.w, 0x7362u));
-}
-
-// Leaf pair i (0..15) of a 32-leaf chunk, v the pair's sum: levels 1-4 of warp_sum's tree (level
-// 0 is the pair itself). After pair 15, v holds the chunk's sum.
-template <int N> __device__ __forceinline__ void moe2_tree(float (*pend)[N], float* v, u32 i) {
-    if (!(i & 1)) {
-#pragma unroll
-        for (int k = 0; k < N; k++) pend[0][k] = v[k];
-        return;
-    }
-#pragma unroll
-    for (int k = 0; k < N; k++) v[k] = pend[0][k] + v[k];
-    if (!(i & 2)) {
-#pragma unroll
-        for (int k = 0; k < N; k++) pend[1][k] = v[k];
-        return;
-    }
-#pragma unroll
-    for (int k = 0; k < N; k++) v[k] = pend[1][k] + v[k];
-    if (!(i & 4)) {
-#pragma unroll
-        for (int k = 0; k < N; k++) pend[2][k] = v[k];
-        return;
-    }
-#pragma unroll
-    for (int k = 0; k < N; k++) v[k] = pend[2][k] + v[k];
-    if (!(i & 8)) {
-#pragma unroll
-        for (int k = 0; k < N; k++) pend[3][k] = v[k];
-        return;
-    }
-#pragma unroll
-    for (int k = 0; k < N; k++) v[k] = pend[3][k] + v[k];
-}
-
-// The next leaf whose block exists after L, or `end` (next_leaf, for a cursor already at end).
-__device__ __forceinline__ u32 moe2_next(u32 L, u32 nb, u32 end) { return L < end ? next_leaf(L, nb, end) : end; }
-
-// A phase's activations: the Q8_K blocks of up to MOE2_PHASE leaves for the pass's 8 MOE2_TILES
-// pairs (a column past the pairs repeats the last), 16 bytes a chunk, permuted for the MMA, and
-// their d. Each thread loads its chunks into registers (stage_load) a phase before it stores them
-// (stage_store), so the loads have a phase of compute to arrive.
-#define MOE2_COLS (8 * MOE2_TILES)
-#define MOE2_CHUNKS (MOE2_PHASE * MOE2_COLS * 16)
-#define MOE2_PER_THREAD ((MOE2_CHUNKS + 255) / 256)
-struct Moe2Stage {
-    int4 q[MOE2_PER_THREAD];
-    float d;
-};
-
-// blocks[i] for a runtime i, without local memory.
-__device__ __forceinline__ u32 moe2_pick(const u32* blocks, u32 i) {
-    u32 b = blocks[0];
-#pragma unroll
-    for (u32 k = 1; k < MOE2_PHASE; k++) b = i == k ? blocks[k] : b;
-    return b;
-}
-
-// Stages leaves `blocks` (past nb: none) of the pairs `pairs[i0 ..]` (n in all); x(p) gives pair
-// p's Q8_K row.
-template <class X>
-__device__ __forceinline__ void moe2_stage_load(Moe2Stage* s, const u32* blocks, const u32* pairs, u32 i0, u32 n,
-                                                u32 nb, X x) {
-#pragma unroll
-    for (u32 k = 0; k < MOE2_PER_THREAD; k++) {
-        const u32 c = threadIdx.x + 256 * k, slot = c / 16, leaf = slot / MOE2_COLS, col = slot % MOE2_COLS;
-        const u32 b = moe2_pick(blocks, leaf);
-        if (c < MOE2_CHUNKS && b < nb) {
-            const BlockQ8K* y = x(pairs[min(i0 + col, n - 1)]) + b;
-            s->q[k] = *((const int4*)y->qs + c % 16);
-        }
-    }
-    if (threadIdx.x < MOE2_PHASE * MOE2_COLS) {
-        const u32 b = moe2_pick(blocks, threadIdx.x / MOE2_COLS), col = threadIdx.x % MOE2_COLS;
-        if (b < nb) s->d = x(pairs[min(i0 + col, n - 1)])[b].d;
-    }
-}
-// A pair's block at MOE2_PAIR_STRIDE: for gate/up (DOWN false) permuted; for down its second 128
-// bytes 8 further on, so that the 16 lanes of moe_down_mma2_q2_k's 64-bit loads meet no bank twice.
-template <bool DOWN>
-__device__ __forceinline__ void moe2_stage_store(const Moe2Stage* s, u8* act, float* actd, const u32* blocks, u32 nb) {
-#pragma unroll
-    for (u32 k = 0; k < MOE2_PER_THREAD; k++) {
-        const u32 c = threadIdx.x + 256 * k, slot = c / 16, leaf = slot / MOE2_COLS, q = c % 16;
-        if (c < MOE2_CHUNKS && moe2_pick(blocks, leaf) < nb) {
-            if (DOWN) {
-                uint2* o = (uint2*)(act + slot * MOE2_PAIR_STRIDE + 16 * q + (q >= 8 ? 8 : 0));
-                o[0] = make_uint2((u32)s->q[k].x, (u32)s->q[k].y);
-                o[1] = make_uint2((u32)s->q[k].z, (u32)s->q[k].w);
-            }
-            else *(int4*)(act + slot * MOE2_PAIR_STRIDE + 16 * q) = moe2_permute(s->q[k]);
-        }
-    }
-    if (threadIdx.x < MOE2_PHASE * MOE2_COLS && moe2_pick(blocks, threadIdx.x / MOE2_COLS) < nb) actd[threadIdx.x] = s->d;
-}
-// The blocks of the next MOE2_PHASE leaves at cursor *L (advanced past them).
-__device__ __forceinline__ void moe2_phase_blocks(u32* L, u32 nb, u32 end, u32* blocks) {
-#pragma unroll
-    for (u32 k = 0; k < MOE2_PHASE; k++) {
-        blocks[k] = *L < end ? leaf_block(*L) : 0xffffffffu;
-        *L = moe2_next(*L, nb, end);
-    }
-}
-
-// IQ2_XXS gate and up for every pair of each expert: blocks go (64 mid rows, expert) as
-// moe_gate_up_mma_iq2_xxs's, a warp per 16-row tile (8 gate rows, their 8 up rows), the same bits.
-// A pass takes up to 8 MOE2_TILES pairs; every block of the row goes by in leaf order; per
-// block, the warp's 1 KB of quants goes from registers (loaded a block ahead) to its copy in
-// shared memory, rows 80 bytes apart so that the lanes' broadcast loads (8 rows, one chunk) meet
-// no bank twice.
-extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_gate_up_mma2_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
-    ds4_wait_predecessor();
-    const u32 e = blockIdx.x % a.n_expert;
-    if (a.route[e] == 0) return;
-    __shared__ u32 codes[256 * MOE2_COPIES];
-    __shared__ __align__(16) u8 wq[8][16 * 80];
-    __shared__ __align__(16) u8 act[2][MOE2_PHASE * MOE2_COLS * MOE2_PAIR_STRIDE];
-    __shared__ float actd[2][MOE2_PHASE * MOE2_COLS];
-    moe2_code_table(a.grid, codes);
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32 rot = (8 * t + 26) & 31, copy = 4 * (lane & 15);
-    const u32 r0 = (blockIdx.x / a.n_expert * 8 + warp) * MOE_MMA_MID_ROWS;
-    // A warp past ff computes row ff - 1 (it must keep the block's barriers) and writes nothing.
-    const u32 nb = a.in_dim / 256, r = min(r0 + g, a.ff - 1);
-    const u32 end = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK * DS4_BLOCK_CHUNK;
-    const ExpertRow gate = expert_row(a.gate, 16, e, (u64)r * nb), up = expert_row(a.up, 16, e, (u64)r * nb);
-    // Lanes (g, 0) and (g, 1) prefetch gate row g and up row g into L2.
-    const u8* pf = t == 0 ? gate.qs : up.qs;
-    u8* mine = wq[warp];
-    const u32* pairs;
-    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
-    auto x_of = [&](u32 p) { return gate_up_pair_x(a, R, p); };
-    for (u32 i0 = 0; i0 < n; i0 += MOE2_COLS) {
-        const u32 cols = min(n - i0, (u32)MOE2_COLS);
-        __syncthreads();  // the previous pass has finished with the staging buffers
-        // Prologue: phase 0 staged, phase 1 in registers.
-        u32 Ls = 0, blocks[MOE2_PHASE];
-        Moe2Stage st;
-        moe2_phase_blocks(&Ls, nb, end, blocks);
-        moe2_stage_load(&st, blocks, pairs, i0, n, nb, x_of);
-        moe2_stage_store<false>(&st, act[0], actd[0], blocks, nb);
-        moe2_phase_blocks(&Ls, nb, end, blocks);
-        moe2_stage_load(&st, blocks, pairs, i0, n, nb, x_of);
-        __syncthreads();
-        // Weights: block of leaf 0 in registers; L2 prefetch cursor MOE2_L2_AHEAD leaves on.
-        u32 Lp = 0;
-        for (u32 k = 0; k < MOE2_L2_AHEAD; k++) {
-            if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)leaf_block(Lp) * 64);
-            Lp = moe2_next(Lp, nb, end);
-        }
-        int4 qg = __ldg((const int4*)(gate.qs + 16 * t)), qu = __ldg((const int4*)(up.qs + 16 * t));
-        u16 hg = __ldg((const u16*)gate.rest), hu = __ldg((const u16*)up.rest);
-        float total[MOE2_TILES][4], pend[4][MOE2_TILES * 4];
-#pragma unroll
-        for (int j = 0; j < MOE2_TILES; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) total[j][k] = 0.0f;
-        u32 k = 0;  // present leaves so far
-#pragma unroll 1
-        for (u32 L2 = 0; L2 < end; L2 += 2) {
-            float v[MOE2_TILES * 4];
-#pragma unroll
-            for (int q = 0; q < MOE2_TILES * 4; q++) v[q] = 0.0f;
-#pragma unroll 1
-            for (u32 h = 0; h < 2; h++) {
-                const u32 L = L2 + h, b = leaf_block(L);
-                if (b >= nb) {
-                    // An absent leaf's term is +0 (row_total's lanes past nb).
-                    if (h)
-#pragma unroll
-                        for (int q = 0; q < MOE2_TILES * 4; q++) v[q] = v[q] + 0.0f;
-                    continue;
-                }
-                const u32 ph = k / MOE2_PHASE, slot = k % MOE2_PHASE;
-                if (slot == 0) {
-                    // A new phase: stage the next one into the other buffer (after every warp is
-                    // done with it: the barrier; phase 0's other buffer is free since the pass
-                    // began) and load the one after into registers.
-                    if (k > 0) __syncthreads();
-                    moe2_stage_store<false>(&st, act[(ph + 1) & 1], actd[(ph + 1) & 1], blocks, nb);
-                    moe2_phase_blocks(&Ls, nb, end, blocks);
-                    moe2_stage_load(&st, blocks, pairs, i0, n, nb, x_of);
-                }
-                k++;
-                const u8* xs = act[ph & 1] + slot * MOE2_COLS * MOE2_PAIR_STRIDE;
-                const float* xd = actd[ph & 1] + slot * MOE2_COLS;
-                // This block's quants to the warp's copy; the next block's into registers.
-                __syncwarp();
-                *(int4*)(mine + 80 * g + 16 * t) = qg;
-                *(int4*)(mine + 80 * (8 + g) + 16 * t) = qu;
-                __syncwarp();
-                const float dg = h2f(hg), du = h2f(hu);
-                const u32 next = next_leaf(L, nb, end);
-                if (next < end) {
-                    const u64 at = (u64)leaf_block(next) * 64 + 16 * t;
-                    qg = __ldg((const int4*)(gate.qs + at));
-                    qu = __ldg((const int4*)(up.qs + at));
-                    hg = __ldg((const u16*)gate.rest + leaf_block(next));
-                    hu = __ldg((const u16*)up.rest + leaf_block(next));
-                }
-                if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)leaf_block(Lp) * 64);
-                Lp = moe2_next(Lp, nb, end);
-                int is[MOE2_TILES][4];
-#pragma unroll
-                for (int j = 0; j < MOE2_TILES; j++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) is[j][q] = 0;
-#pragma unroll MOE2_UNROLL
-                for (u32 c = 0; c < 4; c++) {
-                    // Sub-blocks 2c, 2c + 1 of gate row g and up row g (one broadcast load each).
-                    const uint4 wg = *(const uint4*)(mine + 80 * g + 16 * c);
-                    const uint4 wu = *(const uint4*)(mine + 80 * (8 + g) + 16 * c);
-#pragma unroll
-                    for (u32 hs = 0; hs < 2; hs++) {
-                        const u32 s = 2 * c + hs;
-                        const u32 g0 = hs ? wg.z : wg.x, g1 = hs ? wg.w : wg.y;
-                        const u32 u0 = hs ? wu.z : wu.x, u1 = hs ? wu.w : wu.y;
-                        u32 w[4];
-                        moe2_entry(g0, g1, t, rot, copy, codes, &w[0], &w[2]);
-                        moe2_entry(u0, u1, t, rot, copy, codes, &w[1], &w[3]);
-                        const int sg = (int)((g1 >> 27) | 1), su = (int)((u1 >> 27) | 1);
-#pragma unroll
-                        for (int j = 0; j < MOE2_TILES; j++) {
-                            if (j > 0 && 8 * j >= cols) break;  // uniform: no pairs for this tile
-                            const u32 col = min(8 * j + g, cols - 1);
-                            const uint2 xv = *(const uint2*)(xs + col * MOE2_PAIR_STRIDE + 32 * s + 8 * t);
-                            const u32 xb[2] = {xv.x, xv.y};
-                            int d[4] = {0, 0, 0, 0};
-                            mma_s8_k32(d, w, xb);
-                            is[j][0] += d[0] * sg;
-                            is[j][1] += d[1] * sg;
-                            is[j][2] += d[2] * su;
-                            is[j][3] += d[3] * su;
-                        }
-                    }
-                }
-                // row_total's terms: the lane's first add from +0 is kept.
-#pragma unroll
-                for (int j = 0; j < MOE2_TILES; j++) {
-                    if (j > 0 && 8 * j >= cols) break;
-                    const float y0 = xd[min(8 * j + 2 * t, cols - 1)], y1 = xd[min(8 * j + 2 * t + 1, cols - 1)];
-                    const float tv[4] = {0.0f + (dg * y0) * (float)is[j][0], 0.0f + (dg * y1) * (float)is[j][1],
-                                         0.0f + (du * y0) * (float)is[j][2], 0.0f + (du * y1) * (float)is[j][3]};
-                    // Level 0 of the tree: leaf 2i + h.
-#pragma unroll
-                    for (int q = 0; q < 4; q++) v[4 * j + q] = h ? v[4 * j + q] + tv[q] : tv[q];
-                }
-            }
-            moe2_tree<MOE2_TILES * 4>(pend, v, (L2 >> 1) & 15);
-            if ((L2 & 31) == 30) {
-#pragma unroll
-                for (int j = 0; j < MOE2_TILES; j++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) total[j][q] += v[4 * j + q];
-            }
-        }
-        if (r0 + g >= a.ff) continue;
-#pragma unroll
-        for (int j = 0; j < MOE2_TILES; j++) {
-#pragma unroll
-            for (u32 jj = 0; jj < 2; jj++) {
-                const u32 q = i0 + 8 * j + 2 * t + jj;
-                if (q >= n) break;
-                const u32 p = pairs[q], slot = p % a.n_used;
-                MoeGateUpGroupedArgs ay = a;
-                ds4_row(ay, R, p / a.n_used);
-                const float gv = 0.125f * total[j][jj], uv = 0.125f * total[j][2 + jj];
-                ay.mid[(u64)slot * a.ff + r0 + g] = swiglu_clamped(gv, uv, a.clamp) * ay.weights[slot];
-            }
-        }
-    }
-}
-
-// Q2_K down for every pair of each expert, into parts[slot] of the pair's row: blocks go (row
-// block, expert) as moe_down_mma_q2_k's, a warp per 16 output rows, the same bits. A lane's 16
-// quant bytes of each row are its own k slots (q2_k_mma_block), so they go straight from the
-// registers (loaded a block ahead, with the block's scales) to the MMAs; the pairs' mid Q8_K is
-// staged in shared memory a phase ahead, as the gate/up kernel stages its activations.
-extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_mma2_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
-    ds4_wait_predecessor();
-    const u32 e = blockIdx.x % a.n_expert;
-    if (a.route[e] == 0) return;
-    __shared__ __align__(16) u8 act[2][MOE2_PHASE * MOE2_COLS * MOE2_PAIR_STRIDE];
-    __shared__ float actd[2][MOE2_PHASE * MOE2_COLS];
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = t >> 1, h = t & 1;
-    const u32 r0 = (blockIdx.x / a.n_expert * 8 + warp) * MOE_MMA_DOWN_ROWS;
-    // A warp past out_dim computes the last row (it must keep the block's barriers), writes nothing.
-    const u32 nb = a.ff / 256, end = (nb + DS4_BLOCK_CHUNK - 1) / DS4_BLOCK_CHUNK * DS4_BLOCK_CHUNK;
-    const ExpertRow wa = expert_row(a.down, 10, e, (u64)min(r0 + g, a.out_dim - 1) * nb);
-    const ExpertRow wb = expert_row(a.down, 10, e, (u64)min(r0 + g + 8, a.out_dim - 1) * nb);
-    // Lanes (g, 0) and (g, 1) prefetch rows g and g + 8 into L2 (quants; the rest is a fifth as big).
-    const u8* pf = t == 0 ? wa.qs : wb.qs;
-    const u32* pairs;
-    const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
-    auto x_of = [&](u32 p) { return down_pair_x(a, R, p); };
-    for (u32 i0 = 0; i0 < n; i0 += MOE2_COLS) {
-        const u32 cols = min(n - i0, (u32)MOE2_COLS);
-        __syncthreads();  // the previous pass has finished with the staging buffers
-        u32 Ls = 0, blocks[MOE2_PHASE];
-        Moe2Stage st;
-        moe2_phase_blocks(&Ls, nb, end, blocks);
-        moe2_stage_load(&st, blocks, pairs, i0, n, nb, x_of);
-        moe2_stage_store<true>(&st, act[0], actd[0], blocks, nb);
-        moe2_phase_blocks(&Ls, nb, end, blocks);
-        moe2_stage_load(&st, blocks, pairs, i0, n, nb, x_of);
-        __syncthreads();
-        u32 Lp = 0;
-        for (u32 k = 0; k < MOE2_L2_AHEAD; k++) {
-            if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)leaf_block(Lp) * 64);
-            Lp = moe2_next(Lp, nb, end);
-        }
-        // Block 0's quants, the scales of chunk c, d and dmin, of rows g and g + 8.
-        int4 qa = __ldg((const int4*)(wa.qs + 16 * t)), qb = __ldg((const int4*)(wb.qs + 16 * t));
-        uint2 sa = moe2_scales8(wa.rest + 8 * c), sb = moe2_scales8(wb.rest + 8 * c);
-        u32 da = __ldg((const u32*)(wa.rest + Layout<10>::Q2K_D)), db = __ldg((const u32*)(wb.rest + Layout<10>::Q2K_D));
-        float total[MOE2_TILES][4], pend[4][MOE2_TILES * 4];
-#pragma unroll
-        for (int j = 0; j < MOE2_TILES; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) total[j][k] = 0.0f;
-        u32 k = 0;
-#pragma unroll 1
-        for (u32 L2 = 0; L2 < end; L2 += 2) {
-            float v[MOE2_TILES * 4];
-#pragma unroll
-            for (int q = 0; q < MOE2_TILES * 4; q++) v[q] = 0.0f;
-#pragma unroll 1
-            for (u32 hl = 0; hl < 2; hl++) {
-                const u32 L = L2 + hl, b = leaf_block(L);
-                if (b >= nb) {
-                    if (hl)
-#pragma unroll
-                        for (int q = 0; q < MOE2_TILES * 4; q++) v[q] = v[q] + 0.0f;
-                    continue;
-                }
-                const u32 ph = k / MOE2_PHASE, slot = k % MOE2_PHASE;
-                if (slot == 0) {
-                    if (k > 0) __syncthreads();
-                    moe2_stage_store<true>(&st, act[(ph + 1) & 1], actd[(ph + 1) & 1], blocks, nb);
-                    moe2_phase_blocks(&Ls, nb, end, blocks);
-                    moe2_stage_load(&st, blocks, pairs, i0, n, nb, x_of);
-                }
-                k++;
-                const u8* xs = act[ph & 1] + slot * MOE2_COLS * MOE2_PAIR_STRIDE;
-                const float* xd = actd[ph & 1] + slot * MOE2_COLS;
-                const int4 ca = qa, cb = qb;
-                const uint2 csa = sa, csb = sb;
-                const u32 cda = da, cdb = db;
-                const u32 next = next_leaf(L, nb, end);
-                if (next < end) {
-                    const u32 nbk = leaf_block(next);
-                    const u8* ra = wa.rest + (u64)nbk * Layout<10>::RS;
-                    const u8* rb = wb.rest + (u64)nbk * Layout<10>::RS;
-                    qa = __ldg((const int4*)(wa.qs + (u64)nbk * 64 + 16 * t));
-                    qb = __ldg((const int4*)(wb.qs + (u64)nbk * 64 + 16 * t));
-                    sa = moe2_scales8(ra + 8 * c);
-                    sb = moe2_scales8(rb + 8 * c);
-                    da = __ldg((const u32*)(ra + Layout<10>::Q2K_D));
-                    db = __ldg((const u32*)(rb + Layout<10>::Q2K_D));
-                }
-                if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)leaf_block(Lp) * 64);
-                Lp = moe2_next(Lp, nb, end);
-                int is[MOE2_TILES][4], sm[MOE2_TILES][4];
-#pragma unroll
-                for (int j = 0; j < MOE2_TILES; j++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) is[j][q] = sm[j][q] = 0;
-                // q2_k_mma_block's MMAs, each weight fragment built once for every tile.
-#pragma unroll
-                for (u32 jp = 0; jp < 4; jp++) {
-                    const u32 sh = 8 * ((2 * jp + h) & 3);
-                    const u32 sca = ((jp < 2 ? csa.x : csa.y) >> sh) & 255, scb = ((jp < 2 ? csb.x : csb.y) >> sh) & 255;
-                    const u32 ka = sca & 15, kb = scb & 15;
-                    const u32 mins[4] = {(sca >> 4) * 0x01010101u, (scb >> 4) * 0x01010101u, (sca >> 4) * 0x01010101u,
-                                         (scb >> 4) * 0x01010101u};
-#pragma unroll
-                    for (u32 half = 0; half < 2; half++) {
-                        const u32 a0 = (u32)(half ? ca.z : ca.x), a1 = (u32)(half ? ca.w : ca.y);
-                        const u32 b0 = (u32)(half ? cb.z : cb.x), b1 = (u32)(half ? cb.w : cb.y);
-                        const u32 w[4] = {((a0 >> (2 * jp)) & 0x03030303u) * ka, ((b0 >> (2 * jp)) & 0x03030303u) * kb,
-                                          ((a1 >> (2 * jp)) & 0x03030303u) * ka, ((b1 >> (2 * jp)) & 0x03030303u) * kb};
-#pragma unroll
-                        for (int j = 0; j < MOE2_TILES; j++) {
-                            if (j > 0 && 8 * j >= cols) break;  // uniform: no pairs for this tile
-                            const u32 col = min(8 * j + g, cols - 1);
-                            const uint2 xv =
-                                *(const uint2*)(xs + col * MOE2_PAIR_STRIDE + 136 * c + 32 * jp + 16 * h + 8 * half);
-                            const u32 xb[2] = {xv.x, xv.y};
-                            mma_s8_k32(is[j], w, xb);
-                            mma_s8_k32(sm[j], mins, xb);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < MOE2_TILES; j++) {
-                    if (j > 0 && 8 * j >= cols) break;
-                    const float y0 = xd[min(8 * j + 2 * t, cols - 1)], y1 = xd[min(8 * j + 2 * t + 1, cols - 1)];
-                    const float tv[4] = {q2_k_term(cda, y0, is[j][0], sm[j][0]), q2_k_term(cda, y1, is[j][1], sm[j][1]),
-                                         q2_k_term(cdb, y0, is[j][2], sm[j][2]), q2_k_term(cdb, y1, is[j][3], sm[j][3])};
-#pragma unroll
-                    for (int q = 0; q < 4; q++) v[4 * j + q] = hl ? v[4 * j + q] + tv[q] : tv[q];
-                }
-            }
-            moe2_tree<MOE2_TILES * 4>(pend, v, (L2 >> 1) & 15);
-            if ((L2 & 31) == 30) {
-#pragma unroll
-                for (int j = 0; j < MOE2_TILES; j++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) total[j][q] += v[4 * j + q];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < MOE2_TILES; j++) {
-#pragma unroll
-            for (u32 jj = 0; jj < 2; jj++) {
-                const u32 q = i0 + 8 * j + 2 * t + jj;
-                if (q >= n) break;
-                const u32 p = pairs[q], slot = p % a.n_used;
-                MoeDownGroupedArgs ay = a;
-                ds4_row(ay, R, p / a.n_used);
-                float* parts = ay.parts + (u64)slot * a.out_dim;
-                if (r0 + g < a.out_dim) parts[r0 + g] = total[j][jj];
-                if (r0 + g + 8 < a.out_dim) parts[r0 + g + 8] = total[j][2 + jj];
-            }
-        }
-    }
 }
 
 // moe_gate_up_tile_iq2_xxs: IQ2_XXS gate and up for every pair of each expert (plan.rs takes it
 // with DS4_CUDA_MOE_GATE_UP=tile), the same bits as moe_gate_up_mma_iq2_xxs with each weight
 // decoded once per pass of up to GUT_COLS pairs instead of once per 8. Blocks go (64 mid rows,
 // expert) as that kernel's, a warp per 16-row tile (8 gate rows, their 8 up rows), the MMAs and
-// the decode of moe_gate_up_mma2_iq2_xxs (moe2_entry, the warp's quants copied to shared memory).
+// the IQ2_XXS decode of gut_entry (the warp's quants copied to shared memory).
 // Per block (in leaf order) a lane decodes each sub-block's fragment once and multiplies it with
 // every 8-pair tile of the pass; the tiles' integer block sums stay in registers, and the block
 // terms go into row_total's tree, whose pending sums (and the chunk total, for rows of more than
@@ -1931,9 +1460,13 @@ __device__ __forceinline__ u32 gut_next(u32 L, u32 step, u32 nb, u32 end) {
     return L;
 }
 
-// moe2_entry with MOE2_PRMT_LO in a register the caller holds (`lo_bytes`: loaded from shared
-// memory, so the compiler keeps it instead of moving the constant in before every prmt) and the
-// parity bit merged with the code in one logic op.
+// Grid entry t of an IQ2_XXS sub-block (words aux0, aux1) with its signs: weights 0, 4, 1, 5 in
+// lo, 2, 6, 3, 7 in hi, as bytes iq2_xxs_sub would dot. The 7 sign bits go to bit 0 of nibbles
+// 0, 2, 4, 6, 1, 3, 5 by one multiply (bit i lands at i + 7j; the products never overlap) and their
+// parity to nibble 7. `rot` = (8 t + 26) % 32 puts the entry's index at bits 6-13; `copy` is the
+// lane's copy of the table, times 4; `lo_bytes` is MOE2_PRMT_LO, in a register the caller holds
+// (loaded from shared memory, so the compiler keeps it instead of moving the constant in before
+// every prmt).
 __device__ __forceinline__ void gut_entry(u32 aux0, u32 aux1, u32 t, u32 rot, u32 copy, const u32* codes, u32 lo_bytes,
                                           u32* lo, u32* hi) {
     const u32 at = (moe2_rotr(aux0, rot) & 0x3fc0u) | copy;

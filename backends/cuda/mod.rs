@@ -1526,21 +1526,17 @@ mod imp {
             let state = chunk.state_binding(&self.program).map_err(err)?;
             // `DS4_CUDA_EXPERTS_PER_ROW=1` keeps the per-row expert launches, to measure against.
             // `DS4_CUDA_MOE_MMA=0` keeps the grouped kernels on CUDA cores instead of the int8
-            // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only). `=2` picks the
-            // second tensor-core kernels (`moe_*_mma2_*`; slower than the first on the H200:
-            // Flash prefill 1,357.6 against 1,465.4 tok/s). By default the IQ2_XXS gate/up is
+            // tensor cores' (IQ2_XXS gate/up, Q2_K down; the split layout only). By default the IQ2_XXS gate/up is
             // `moe_gate_up_tile_iq2_xxs` (each weight decoded once per pass of up to 32 pairs;
             // alone 1,479.9 -> 1,568.3 tok/s); `DS4_CUDA_MOE_GATE_UP=mma` keeps the first. The
             // Q2_K down of the tensor-core kinds is `moe_down_tile_q2_k` (each fragment built once
             // per 16 pairs; alone 1,479.9 -> 1,615.7); `DS4_CUDA_MOE_DOWN=mma` keeps
-            // `moe_down_mma_q2_k` (`moe_down_mma2_q2_k` with `DS4_CUDA_MOE_MMA=2`).
+            // `moe_down_mma_q2_k`.
             let mma = std::env::var("DS4_CUDA_MOE_MMA").ok();
             let experts = if std::env::var("DS4_CUDA_EXPERTS_PER_ROW").is_ok() {
                 plan::ChunkExperts::PerRow
             } else if self.layout != BlockLayout::Split || mma.as_deref() == Some("0") {
                 plan::ChunkExperts::Grouped
-            } else if mma.as_deref() == Some("2") {
-                plan::ChunkExperts::GroupedMma2
             } else if env_is("DS4_CUDA_MOE_GATE_UP", "mma") {
                 plan::ChunkExperts::GroupedMma
             } else {

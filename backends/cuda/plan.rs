@@ -161,10 +161,6 @@ pub enum ChunkExperts {
     /// (`moe_gate_up_mma_iq2_xxs`, `moe_down_mma_q2_k`; the split block layout only); other
     /// types as [`ChunkExperts::Grouped`].
     GroupedMma,
-    /// As [`ChunkExperts::GroupedMma`] with the second tensor-core kernels
-    /// (`moe_gate_up_mma2_iq2_xxs`, `moe_down_mma2_q2_k`): the same tiles and bits, fewer
-    /// instructions and stalls.
-    GroupedMma2,
     /// As [`ChunkExperts::GroupedMma`] with `moe_gate_up_tile_iq2_xxs` for the IQ2_XXS gate/up
     /// (each weight decoded once per pass of up to 32 pairs; dynamic shared memory): the same bits.
     GroupedMmaTile,
@@ -175,15 +171,13 @@ pub enum ChunkExperts {
 /// experts grouped by expert). A kernel missing here is launched over `blockIdx.y` 0..rows and
 /// every row's blocks redo all of it (same writes: exact, but rows times slower); the plan tests
 /// check that every grouped expert kernel is listed.
-pub const ALL_ROWS_KERNELS: [&str; 10] = [
+pub const ALL_ROWS_KERNELS: [&str; 8] = [
     "moe_route",
     "moe_gate_up_grouped",
     "moe_gate_up_grouped_iq2_xxs",
     "moe_down_grouped",
     "moe_gate_up_mma_iq2_xxs",
     "moe_down_mma_q2_k",
-    "moe_gate_up_mma2_iq2_xxs",
-    "moe_down_mma2_q2_k",
     "moe_gate_up_tile_iq2_xxs",
     "moe_down_tile_q2_k",
 ];
@@ -343,19 +337,13 @@ impl<'a> Builder<'a> {
             _pad: 0,
         };
         self.launch(1, 1024, route);
-        let mma2 = self.experts == ChunkExperts::GroupedMma2;
         let tile = self.experts == ChunkExperts::GroupedMmaTile;
-        let mma = mma2 || tile || self.experts == ChunkExperts::GroupedMma;
+        let mma = tile || self.experts == ChunkExperts::GroupedMma;
         if mma && gu.gate_ty == GgmlType::IQ2_XXS as u32 {
             // A warp per 8 mid rows (a tile of their gate and up rows) of an expert, 8 warps a block.
             self.launch(n_expert * blocks(ff / MOE_MMA_MID_ROWS, 8), 256, gu);
-            self.launches.last_mut().expect("just launched").kernel = if mma2 {
-                "moe_gate_up_mma2_iq2_xxs"
-            } else if tile {
-                GATE_UP_TILE_KERNEL
-            } else {
-                "moe_gate_up_mma_iq2_xxs"
-            };
+            self.launches.last_mut().expect("just launched").kernel =
+                if tile { GATE_UP_TILE_KERNEL } else { "moe_gate_up_mma_iq2_xxs" };
         } else {
             // A warp per two mid rows of an expert, 8 warps a block: ff / 16 blocks per expert.
             self.launch(n_expert * blocks(ff / 2, 8), 256, gu);
@@ -381,13 +369,8 @@ impl<'a> Builder<'a> {
         if mma && down_ty == GgmlType::Q2_K as u32 {
             // A warp per 16 output rows of an expert, 8 warps a block.
             self.launch(n_expert * blocks(out_dim.div_ceil(MOE_MMA_DOWN_ROWS), 8), 256, d);
-            self.launches.last_mut().expect("just launched").kernel = if self.down_tile {
-                "moe_down_tile_q2_k"
-            } else if mma2 {
-                "moe_down_mma2_q2_k"
-            } else {
-                "moe_down_mma_q2_k"
-            };
+            self.launches.last_mut().expect("just launched").kernel =
+                if self.down_tile { "moe_down_tile_q2_k" } else { "moe_down_mma_q2_k" };
         } else {
             // A warp per two output rows of an expert, 8 warps a block.
             self.launch(n_expert * blocks(out_dim.div_ceil(2), 8), 256, d);
@@ -1695,10 +1678,8 @@ mod tests {
             let grouped = plan(&chunk, true, false).unwrap();
             for (mode, tile, gate_up, down) in [
                 (ChunkExperts::GroupedMma, false, "moe_gate_up_mma_iq2_xxs", "moe_down_mma_q2_k"),
-                (ChunkExperts::GroupedMma2, false, "moe_gate_up_mma2_iq2_xxs", "moe_down_mma2_q2_k"),
                 (ChunkExperts::GroupedMmaTile, false, GATE_UP_TILE_KERNEL, "moe_down_mma_q2_k"),
                 (ChunkExperts::GroupedMma, true, "moe_gate_up_mma_iq2_xxs", "moe_down_tile_q2_k"),
-                (ChunkExperts::GroupedMma2, true, "moe_gate_up_mma2_iq2_xxs", "moe_down_tile_q2_k"),
                 (ChunkExperts::GroupedMmaTile, true, GATE_UP_TILE_KERNEL, "moe_down_tile_q2_k"),
             ] {
                 let mma = plan_experts(&chunk, true, false, mode, tile).unwrap();

@@ -202,8 +202,8 @@ static int run(const Config& c, bool native) {
     // New: grouped by expert, on CUDA cores (mma false) or, where the layout and types have them,
     // on tensor cores; each compared with the old.
     int bad = 0;
-    // mma: 0 CUDA cores, 1 the first tensor-core kernels, 2 the second (moe_*_mma2_*).
-    for (int mma = 0; mma < 3; mma++) {
+    // mma: 0 CUDA cores, 1 the tensor-core kernels.
+    for (int mma = 0; mma < 2; mma++) {
         const bool mma_gate_up = mma && !native && c.gate_ty == 16, mma_down = mma && !native && c.down_ty == 10;
         if (mma && !mma_gate_up && !mma_down) continue;
         RowBuf mid_new(mid_bytes, c.rows), midq_new(midq_bytes, c.rows), out_new(c.out_dim * 4, c.rows);
@@ -230,13 +230,11 @@ static int run(const Config& c, bool native) {
         const RowStrides RG = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid_new.stride, 0, route.stride});
         if (mma_gate_up) {
 #if !DS4_NATIVE_BLOCKS
-            emu_launch({c.n_expert * blocks_of(c.ff / MOE_MMA_MID_ROWS, 8), 1, 1}, 256, [&] {
-                if (mma == 2) moe_gate_up_mma2_iq2_xxs(P0, cond, RG, a);
-                else moe_gate_up_mma_iq2_xxs(P0, cond, RG, a);
-            });
+            emu_launch({c.n_expert * blocks_of(c.ff / MOE_MMA_MID_ROWS, 8), 1, 1}, 256,
+                       [&] { moe_gate_up_mma_iq2_xxs(P0, cond, RG, a); });
             // With the first tensor-core kernel: moe_gate_up_tile_iq2_xxs (the same grid) on the
             // same route, its mid compared with that kernel's bit for bit.
-            if (mma == 1) bad += gate_up_tile_check(c, a, route, mid_new, X, SEL, W, mid_bytes, P0, cond);
+            bad += gate_up_tile_check(c, a, route, mid_new, X, SEL, W, mid_bytes, P0, cond);
 #endif
         } else {
             emu_launch({c.n_expert * blocks_of(c.ff / 2, 8), 1, 1}, 256, [&] {
@@ -261,10 +259,8 @@ static int run(const Config& c, bool native) {
         const RowStrides RD = row_strides({midq_new.stride, 0, parts.stride, 0, route.stride});
         if (mma_down) {
 #if !DS4_NATIVE_BLOCKS
-            emu_launch({c.n_expert * blocks_of((c.out_dim + MOE_MMA_DOWN_ROWS - 1) / MOE_MMA_DOWN_ROWS, 8), 1, 1}, 256, [&] {
-                if (mma == 2) moe_down_mma2_q2_k(P0, cond, RD, d);
-                else moe_down_mma_q2_k(P0, cond, RD, d);
-            });
+            emu_launch({c.n_expert * blocks_of((c.out_dim + MOE_MMA_DOWN_ROWS - 1) / MOE_MMA_DOWN_ROWS, 8), 1, 1}, 256,
+                       [&] { moe_down_mma_q2_k(P0, cond, RD, d); });
 #endif
         } else {
             emu_launch({c.n_expert * blocks_of((c.out_dim + 1) / 2, 8), 1, 1}, 256,
@@ -327,8 +323,7 @@ static int run(const Config& c, bool native) {
         }
         printf("gate %u%s down %u%s in %u ff %u out %u experts %u used %u rows %u/%u (most pairs %u) %s: %s (%u of "
                "%u outputs finite, nonzero)\n",
-               c.gate_ty, mma_gate_up ? (mma == 2 ? " mma2" : " mma") : "", c.down_ty,
-               mma_down ? (mma == 2 ? " mma2" : " mma") : "", c.in_dim, c.ff, c.out_dim,
+               c.gate_ty, mma_gate_up ? " mma" : "", c.down_ty, mma_down ? " mma" : "", c.in_dim, c.ff, c.out_dim,
                c.n_expert, c.n_used, c.active, c.rows, most, native ? "native" : "split",
                bad_mode ? "DIFFER" : "same bits", nonzero, c.active * c.out_dim);
         bad += bad_mode;
@@ -402,8 +397,8 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
                 }
     });
     printf("IQ2_XXS byte-permute decode against iq2_xxs_sub_weights: %s\n", bad ? "DIFFER" : "same");
-    // The second kernels' decode (moe2_entry: sign bits by a multiply, nibbles in moe2_weight
-    // order) and their activations' permutation (moe2_permute) against the same weights.
+    // The tile kernels' decode (gut_entry: sign bits by a multiply, nibbles in moe2_weight order)
+    // and their activations' permutation (moe2_permute) against the same weights.
     int bad2 = 0;
     emu_launch({1, 1, 1}, 256, [&] {
         static u32 codes[256 * MOE2_COPIES];
@@ -417,7 +412,7 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
                     int want[8];
                     iq2_xxs_sub_weights(aux0 & (255u << (8 * l)), aux1, grid.data(), want);
                     u32 lo, hi;
-                    moe2_entry(aux0, aux1, l, (8 * l + 26) & 31, copy, codes, &lo, &hi);
+                    gut_entry(aux0, aux1, l, (8 * l + 26) & 31, copy, codes, MOE2_PRMT_LO, &lo, &hi);
                     // Dot with activation bytes 1..8 both ways.
                     const int4 xv = moe2_permute(make_int4(0x04030201, 0x08070605, 0, 0));
                     const u32 wb[2] = {(u32)want[2 * l], (u32)want[2 * l + 1]};
@@ -431,7 +426,7 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
                     bad2 += ref != got;
                 }
     });
-    printf("IQ2_XXS decode of the second kernels against iq2_xxs_sub_weights: %s\n", bad2 ? "DIFFER" : "same");
+    printf("IQ2_XXS decode of the tile kernels against iq2_xxs_sub_weights: %s\n", bad2 ? "DIFFER" : "same");
     return bad + bad2;
 }
 #endif
