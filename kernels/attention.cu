@@ -774,12 +774,7 @@ __device__ __forceinline__ void attn_cp_async_wait() { asm volatile("cp.async.wa
 extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_rows2(DS4_ARGS, AttentionArgs a0) {
     ds4_wait_predecessor();
     extern __shared__ __align__(16) float attn_r2_smem[];
-#if __CUDA_ARCH__
-    // The host sizes the dynamic shared memory (mod.rs: attn_rows2_smem); a smaller one is a bug.
-    u32 smem_bytes;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-    if (smem_bytes < ATTN_R2_SMEM) __trap();
-#endif
+    ds4_check_dynamic_smem(ATTN_R2_SMEM);  // mod.rs: attn_rows2_smem
     float* const tiles = attn_r2_smem + ATTN_R2_TILES;
     float4* const acc_sh = (float4*)(attn_r2_smem + ATTN_R2_ACC);
     float* const part = attn_r2_smem + ATTN_R2_PART;
@@ -1233,12 +1228,7 @@ static_assert(8 * ATTN_WIDE_TILE * ATTN_R2_PROW <= 8 * 1024, "the level-one sums
 extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row_wide(DS4_ARGS, AttentionArgs a) {
     DS4_GUARD;
     extern __shared__ __align__(16) float attn_w_smem[];
-#if __CUDA_ARCH__
-    // The host sizes the dynamic shared memory (mod.rs: attn_wide_smem); a smaller one is a bug.
-    u32 smem_bytes;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-    if (smem_bytes < ATTN_W_SMEM) __trap();
-#endif
+    ds4_check_dynamic_smem(ATTN_W_SMEM);  // mod.rs: attn_wide_smem
     float* const tiles = attn_w_smem + ATTN_W_TILES;
     float4* const acc_sh = (float4*)(attn_w_smem + ATTN_W_ACC);
     float* const part = attn_w_smem + ATTN_W_PART;

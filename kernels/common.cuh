@@ -19,6 +19,16 @@ __device__ __forceinline__ bool ds4_cond(const StepParams* P, u64 cond) {
     return (P->pos + 1) / ratio > top_k;
 }
 
+// Traps when the launch gave less dynamic shared memory than `need` bytes: the host sizes it
+// (mod.rs), so a smaller one is a bug, caught here rather than as a stray write.
+__device__ __forceinline__ void ds4_check_dynamic_smem(u32 need) {
+#if __CUDA_ARCH__
+    u32 bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    if (bytes < need) __trap();
+#endif
+}
+
 // Programmatic dependent launch (sm_90 on): the host may start a kernel while the one before it
 // finishes. Each kernel first waits until its predecessor has completed and its writes are
 // visible (a no-op when launched without it), then lets its own successor start launching.

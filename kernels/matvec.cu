@@ -431,12 +431,7 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
     float* const wss = (float*)(q8t_smem + Q8T_WS_OFF);
     float* const dxs = (float*)(q8t_smem + Q8T_DX_OFF);
     u32* const act = (u32*)(q8t_smem + Q8T_ACT_OFF);
-#if __CUDA_ARCH__
-    // The host sizes the dynamic shared memory (mod.rs: q8_tile_smem); a smaller one is a bug.
-    u32 smem_bytes;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-    if (smem_bytes < Q8T_SMEM) __trap();
-#endif
+    ds4_check_dynamic_smem(Q8T_SMEM);  // mod.rs: q8_tile_smem
     const u32 tid = threadIdx.x, lane = tid & 31, gq = lane >> 2, tq = lane & 3, warp = tid >> 5;
     const u32 wm = warp % Q8T_WM, wn = warp / Q8T_WM;
     const u32 y0 = blockIdx.x * Q8T_BN;

@@ -1570,12 +1570,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     extern __shared__ __align__(16) u8 gut_smem[];
-#if __CUDA_ARCH__
-    // The host sizes the dynamic shared memory (mod.rs: gate_up_tile_smem); a smaller one is a bug.
-    u32 smem_bytes;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-    if (smem_bytes < GUT_SMEM) __trap();
-#endif
+    ds4_check_dynamic_smem(GUT_SMEM);  // mod.rs: gate_up_tile_smem
     u32* const codes = (u32*)gut_smem;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u8* const mine = gut_smem + GUT_WQ_OFF + warp * 16 * 80;
