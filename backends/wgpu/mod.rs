@@ -710,9 +710,7 @@ mod imp {
                         "mat_vec_f16_rows" | "mat_vec_f32_rows" => (3, 4, Batch::Loop),
                         // The 32-lane matvecs: a token row per workgroup along z (the Q8_0 one
                         // reads its input as 16-byte vectors: its row stride must be whole ones).
-                        "mat_vec_q8_0" | "mat_vec_q8_0_early"
-                            if rows <= max_z && scratch_buf(d, 5).is_some_and(|s| s % 16 == 0) =>
-                        {
+                        "mat_vec_q8_0" if rows <= max_z && scratch_buf(d, 5).is_some_and(|s| s % 16 == 0) => {
                             (5, 4, Batch::Grid)
                         }
                         "mat_vec_f16" | "mat_vec_f32" if rows <= max_z => (3, 4, Batch::Grid),

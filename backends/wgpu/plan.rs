@@ -87,7 +87,6 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
     Some(match entry {
         "quantize_q8_0"
         | "mat_vec_q8_0"
-        | "mat_vec_q8_0_early"
         | "mat_vec_q8_0_pair"
         | "mat_vec_f16"
         | "mat_vec_f32"
@@ -191,10 +190,6 @@ struct Builder<'a> {
     /// runs the Sinkhorn on 256 invocations with a barrier per step), not
     /// `hc_split_weighted_sum_lanes` (only workgroup 0 runs it, on 32 lanes). Same bits.
     hc_split_old: bool,
-    /// `DS4_WGPU_Q8=early`: Q8_0 matvecs as `mat_vec_q8_0_early` (each chunk's activation loaded
-    /// with the weights), not `mat_vec_q8_0` (loaded after the previous chunk's sum). Same bits;
-    /// slower on the H200 (flash-4l: 87.3 against 39.1 us a dispatch), so not the default.
-    q8_early: bool,
 }
 
 impl Builder<'_> {
@@ -651,7 +646,6 @@ impl Builder<'_> {
                 let entry = if entry == "mat_vec_f16" { "mat_vec_f16_split" } else { "mat_vec_f32_split" };
                 self.push(entry, rows + rows2, args, binds);
             } else if entry == "mat_vec_q8_0" {
-                let entry = if self.q8_early { "mat_vec_q8_0_early" } else { entry };
                 self.push(entry, groups(rows as usize, 8 * per as usize), args, binds);
             } else {
                 self.push(entry, groups(rows as usize, 8), args, binds);
@@ -1083,7 +1077,6 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Resu
         hc_pre_norm: std::env::var("DS4_WGPU_HC_PRE").is_ok_and(|v| v == "fused"),
         q8_short_rows: std::env::var("DS4_WGPU_Q8_ROWS").map_or(true, |v| v != "1"),
         hc_split_old: std::env::var("DS4_WGPU_HC_SPLIT").is_ok_and(|v| v == "old"),
-        q8_early: std::env::var("DS4_WGPU_Q8").is_ok_and(|v| v == "early"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
