@@ -376,6 +376,124 @@ struct AttnRowsY {
     bool indexed, on;
 };
 
+// Pieces the chunk attention kernels over staged KV rows (attention_rows, attention_rows2,
+// attention_row_wide) share, each in `attention`'s float order.
+
+// One staged KV row (this lane's float4s at kr, kr + 128, + 256, + 384) against q of a warp's 4
+// heads: each head's lane sum, then the butterfly's first level (l + (l ^ 16)). A lane sum's
+// first product enters without `0 +`: the sum feeds d = 0 + ..., which absorbs a zero's sign.
+__device__ __forceinline__ float4 attn_rows_level_one(const float4 (&q)[4][4], const float* kr) {
+    float acc[4];
+    const float4 y0 = *(const float4*)kr;
+#pragma unroll
+    for (u32 k = 0; k < 4; k++) {
+        acc[k] = q[k][0].x * y0.x;
+        acc[k] += q[k][0].y * y0.y;
+        acc[k] += q[k][0].z * y0.z;
+        acc[k] += q[k][0].w * y0.w;
+    }
+#pragma unroll
+    for (u32 u = 1; u < 4; u++) {
+        const float4 y = *(const float4*)(kr + u * 128);
+#pragma unroll
+        for (u32 k = 0; k < 4; k++) {
+            acc[k] += q[k][u].x * y.x;
+            acc[k] += q[k][u].y * y.y;
+            acc[k] += q[k][u].z * y.z;
+            acc[k] += q[k][u].w * y.w;
+        }
+    }
+    float4 s1;
+    s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
+    s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
+    s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
+    s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+    return s1;
+}
+
+// The butterfly's levels 8, 4, 2, 1 over a head's 16 level-one sums (lanes 0..15), then d = 0 +
+// that.
+__device__ __forceinline__ float attn_rows_dot(float (&s)[16]) {
+#pragma unroll
+    for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
+#pragma unroll
+    for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
+#pragma unroll
+    for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
+    float d = 0.0f;
+    d += s[0] + s[1];
+    return d;
+}
+
+// One head's softmax by a warp: its n_rows scores at sc become the weights exp(score - m), m the
+// max with the sink, also copied to the warp's buffer wbuf (1024 floats; chunk c's row r at r +
+// c, so that the lanes' chunk sums read distinct banks) when they fit. Returns the denominator:
+// the sink's weight, then each chunk's weight sum (from +0, sequentially) in chunk order.
+__device__ __forceinline__ float attn_rows_softmax(float* sc, float sink, u32 n_rows, float* wbuf, u32 lane) {
+    const u32 n_chunks = (n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+    const bool inbuf = n_rows + n_chunks <= 1024;
+    float m = sink;
+    for (u32 r = lane; r < n_rows; r += 32) m = fmaxf(m, sc[r]);
+    m = warp_max(m);
+    for (u32 r = lane; r < n_rows; r += 32) {
+        const float e = ds4_expf(sc[r] - m);
+        sc[r] = e;
+        if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
+    }
+    __syncwarp();
+    float denom = ds4_expf(sink - m);
+    for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
+        const u32 c = c0 + lane;
+        float s = 0.0f;
+        if (c < n_chunks) {
+            const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, n_rows);
+            for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
+        }
+        for (u32 l = 0; l < 32; l++) {
+            const float cs = __shfl_sync(0xffffffffu, s, l);
+            if (c0 + l < n_chunks) denom += cs;
+        }
+    }
+    return denom;
+}
+
+// The weighted sum's step for one KV row: p[k][hf] += w[k] * v, 8 heads' weights at wr, the
+// thread's dims at vr and vr + 256.
+__device__ __forceinline__ void attn_rows_mac(float4 (&p)[8][2], const float* vr, const float* wr) {
+    const float4 v[2] = {*(const float4*)vr, *(const float4*)(vr + 256)};
+    const float4 w0 = *(const float4*)wr;
+    const float4 w1 = *(const float4*)(wr + 4);
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (u32 k = 0; k < 8; k++)
+#pragma unroll
+        for (u32 hf = 0; hf < 2; hf++) {
+            p[k][hf].x += w[k] * v[hf].x;
+            p[k][hf].y += w[k] * v[hf].y;
+            p[k][hf].z += w[k] * v[hf].z;
+            p[k][hf].w += w[k] * v[hf].w;
+        }
+}
+
+// A chunk of KV rows ended: its sums p join the totals in shared memory (acc[(2 k + hf) *
+// stride]) in order, and p restarts from +0.
+__device__ __forceinline__ void attn_rows_flush(float4* acc, u32 stride, float4 (&p)[8][2]) {
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (u32 k = 0; k < 8; k++)
+#pragma unroll
+        for (u32 hf = 0; hf < 2; hf++) {
+            float4& a = acc[(2 * k + hf) * stride];
+            float4 t = a;
+            t.x += p[k][hf].x;
+            t.y += p[k][hf].y;
+            t.z += p[k][hf].z;
+            t.w += p[k][hf].w;
+            a = t;
+            p[k][hf] = zero4;
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_rows(DS4_ARGS, AttentionArgs a0) {
     ds4_wait_predecessor();
     // The KV tile, then per warp the level-one sums of [tile row][lane ^ tile row][head] (the xor
@@ -510,32 +628,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                 // Dims past head_dim hold +0 in q and in the tile: their products and sums are
                 // +0, as the lane sums that skip them (no branch per float4).
                 const float* kr = tile + jj * 512 + lane * 4;
-                float acc[4];
-                const float4 y0 = *(const float4*)kr;
-#pragma unroll
-                for (u32 k = 0; k < 4; k++) {
-                    // The lane's first product enters without `0 +` (see above).
-                    acc[k] = q[k][0].x * y0.x;
-                    acc[k] += q[k][0].y * y0.y;
-                    acc[k] += q[k][0].z * y0.z;
-                    acc[k] += q[k][0].w * y0.w;
-                }
-#pragma unroll
-                for (u32 u = 1; u < 4; u++) {
-                    const float4 y = *(const float4*)(kr + u * 128);
-#pragma unroll
-                    for (u32 k = 0; k < 4; k++) {
-                        acc[k] += q[k][u].x * y.x;
-                        acc[k] += q[k][u].y * y.y;
-                        acc[k] += q[k][u].z * y.z;
-                        acc[k] += q[k][u].w * y.w;
-                    }
-                }
-                float4 s1;
-                s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
-                s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
-                s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
-                s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+                const float4 s1 = attn_rows_level_one(q, kr);
                 if (lane < 16) *(float4*)(part + ((warp * ATTN_ROWS_TILE + jj) * 16 + (lane ^ jj)) * 4) = s1;
             }
             __syncwarp();
@@ -548,54 +641,21 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                     float s[16];
 #pragma unroll
                     for (u32 l = 0; l < 16; l++) s[l] = part[((warp * ATTN_ROWS_TILE + mj) * 16 + (l ^ mj)) * 4 + mk];
-#pragma unroll
-                    for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
-#pragma unroll
-                    for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
-#pragma unroll
-                    for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
-                    float d = 0.0f;
-                    d += s[0] + s[1];
+                    const float d = attn_rows_dot(s);
                     ys.a.scores[(u64)(h0 + hq0 + mk) * a0.max_rows + r] = d * a0.kq_scale;
                 }
             }
         }
         __syncthreads();
-        // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3. The weights
-        // also go to the warp's buffer (chunk c's row r at r + c, so that the lanes' chunk sums
-        // read distinct banks) when they fit, for the chunk sums.
-        const u32 n_chunks = (ys.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+        // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3, its buffer for
+        // the weights at smem + 1024 w (attn_rows_softmax).
         float* const wbuf = smem + warp * 1024;
-        const bool inbuf = ys.n_rows + n_chunks <= 1024;
         for (u32 k = 0; k < 4; k++) {
             const u32 hh = hq0 + k;
             if (!on || hh >= n_group) break;
             float* sc = ys.a.scores + (u64)(h0 + hh) * a0.max_rows;
             const float sink = a0.sinks[h0 + hh];
-            float m = sink;
-            for (u32 r = lane; r < ys.n_rows; r += 32) m = fmaxf(m, sc[r]);
-            m = warp_max(m);
-            for (u32 r = lane; r < ys.n_rows; r += 32) {
-                const float e = ds4_expf(sc[r] - m);
-                sc[r] = e;
-                if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
-            }
-            __syncwarp();
-            // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
-            // sums in order.
-            float denom = ds4_expf(sink - m);
-            for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
-                const u32 c = c0 + lane;
-                float s = 0.0f;
-                if (c < n_chunks) {
-                    const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, ys.n_rows);
-                    for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
-                }
-                for (u32 l = 0; l < 32; l++) {
-                    const float cs = __shfl_sync(0xffffffffu, s, l);
-                    if (c0 + l < n_chunks) denom += cs;
-                }
-            }
+            const float denom = attn_rows_softmax(sc, sink, ys.n_rows, wbuf, lane);
             if (lane == 0) inv_sh[si][hh] = 1.0f / denom;
             __syncwarp();
         }
@@ -647,19 +707,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_row
                             p[k][hf] = zero4;
                         }
                 }
-                const float4 v[2] = {*(const float4*)(tile + j * 512 + 4 * dq), *(const float4*)(tile + j * 512 + 256 + 4 * dq)};
-                const float4 w0 = *(const float4*)&wt[j][si][8 * oct];
-                const float4 w1 = *(const float4*)&wt[j][si][8 * oct + 4];
-                const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-                for (u32 k = 0; k < 8; k++)
-#pragma unroll
-                    for (u32 hf = 0; hf < 2; hf++) {
-                        p[k][hf].x += w[k] * v[hf].x;
-                        p[k][hf].y += w[k] * v[hf].y;
-                        p[k][hf].z += w[k] * v[hf].z;
-                        p[k][hf].w += w[k] * v[hf].w;
-                    }
+                attn_rows_mac(p, tile + j * 512 + 4 * dq, &wt[j][si][8 * oct]);
             }
         }
         if (on) {
@@ -971,32 +1019,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
                 if (visof_si(t0 + jj) == ATTN_ROWS_NONE) continue;
                 // Dims past head_dim hold +0 in q and in the tile: their products and sums are
                 // +0, as the lane sums that skip them (no branch per float4).
-                float acc[4];
-                const float4 y0 = *(const float4*)kr;
-#pragma unroll
-                for (u32 k = 0; k < 4; k++) {
-                    // The lane's first product enters without `0 +` (attention_rows).
-                    acc[k] = q[k][0].x * y0.x;
-                    acc[k] += q[k][0].y * y0.y;
-                    acc[k] += q[k][0].z * y0.z;
-                    acc[k] += q[k][0].w * y0.w;
-                }
-#pragma unroll
-                for (u32 u = 1; u < 4; u++) {
-                    const float4 y = *(const float4*)(kr + u * 128);
-#pragma unroll
-                    for (u32 k = 0; k < 4; k++) {
-                        acc[k] += q[k][u].x * y.x;
-                        acc[k] += q[k][u].y * y.y;
-                        acc[k] += q[k][u].z * y.z;
-                        acc[k] += q[k][u].w * y.w;
-                    }
-                }
-                float4 s1;
-                s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
-                s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
-                s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
-                s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+                const float4 s1 = attn_rows_level_one(q, kr);
                 if (lane < 16) *(float4*)pw = s1;
             }
             __syncwarp();
@@ -1010,14 +1033,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
                     float s[16];
 #pragma unroll
                     for (u32 l = 0; l < 16; l++) s[l] = pp[l * 4];
-#pragma unroll
-                    for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
-#pragma unroll
-                    for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
-#pragma unroll
-                    for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
-                    float d = 0.0f;
-                    d += s[0] + s[1];
+                    const float d = attn_rows_dot(s);
                     ys.a.scores[(u64)(h0 + hq0 + mk) * a0.max_rows + r] = d * a0.kq_scale;
                 }
             }
@@ -1026,38 +1042,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
         __syncthreads();
         // Softmax: warp w takes (token row w / 4, head 4 (w % 4) + k) for k = 0..3, as
         // attention_rows (its buffer in the acc area).
-        const u32 n_chunks = (ys.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
         float* const wbuf = attn_r2_smem + ATTN_R2_ACC + warp * 1024;
-        const bool inbuf = ys.n_rows + n_chunks <= 1024;
         for (u32 k = 0; k < 4; k++) {
             const u32 hh = hq0 + k;
             if (!on || hh >= n_group) break;
             float* sc = ys.a.scores + (u64)(h0 + hh) * a0.max_rows;
             const float sink = a0.sinks[h0 + hh];
-            float m = sink;
-            for (u32 r = lane; r < ys.n_rows; r += 32) m = fmaxf(m, sc[r]);
-            m = warp_max(m);
-            for (u32 r = lane; r < ys.n_rows; r += 32) {
-                const float e = ds4_expf(sc[r] - m);
-                sc[r] = e;
-                if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
-            }
-            __syncwarp();
-            // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
-            // sums in order.
-            float denom = ds4_expf(sink - m);
-            for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
-                const u32 c = c0 + lane;
-                float s = 0.0f;
-                if (c < n_chunks) {
-                    const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, ys.n_rows);
-                    for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
-                }
-                for (u32 l = 0; l < 32; l++) {
-                    const float cs = __shfl_sync(0xffffffffu, s, l);
-                    if (c0 + l < n_chunks) denom += cs;
-                }
-            }
+            const float denom = attn_rows_softmax(sc, sink, ys.n_rows, wbuf, lane);
             if (lane == 0) inv_sh[si * ATTN_ROWS_HEADS + hh] = 1.0f / denom;
             __syncwarp();
         }
@@ -1108,33 +1099,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
                 if (r == ATTN_ROWS_NONE) continue;
                 if (r > 0 && r % DS4_ATTN_ROW_CHUNK == 0) {
                     // A chunk of this token row's rows ends: its sums join the total in order.
-#pragma unroll
-                    for (u32 k = 0; k < 8; k++)
-#pragma unroll
-                        for (u32 hf = 0; hf < 2; hf++) {
-                            float4& acc = accp[(2 * k + hf) * ATTN_ROWS_THREADS];
-                            float4 t = acc;
-                            t.x += p[k][hf].x;
-                            t.y += p[k][hf].y;
-                            t.z += p[k][hf].z;
-                            t.w += p[k][hf].w;
-                            acc = t;
-                            p[k][hf] = zero4;
-                        }
+                    attn_rows_flush(accp, ATTN_ROWS_THREADS, p);
                 }
-                const float4 v[2] = {*(const float4*)vr, *(const float4*)(vr + 256)};
-                const float4 w0 = *(const float4*)wr;
-                const float4 w1 = *(const float4*)(wr + 4);
-                const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-                for (u32 k = 0; k < 8; k++)
-#pragma unroll
-                    for (u32 hf = 0; hf < 2; hf++) {
-                        p[k][hf].x += w[k] * v[hf].x;
-                        p[k][hf].y += w[k] * v[hf].y;
-                        p[k][hf].z += w[k] * v[hf].z;
-                        p[k][hf].w += w[k] * v[hf].w;
-                    }
+                attn_rows_mac(p, vr, wr);
             }
         }
         if (on) {
@@ -1304,31 +1271,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
         for (u32 jj = 0; jj < nj; jj++, kr += 512, pw += ATTN_R2_PROW) {
             // Dims past head_dim hold +0 in q and in the tile: their products and sums are +0,
             // as the lane sums that skip them.
-            float acc[4];
-            const float4 y0 = *(const float4*)kr;
-#pragma unroll
-            for (u32 k = 0; k < 4; k++) {
-                acc[k] = q[k][0].x * y0.x;
-                acc[k] += q[k][0].y * y0.y;
-                acc[k] += q[k][0].z * y0.z;
-                acc[k] += q[k][0].w * y0.w;
-            }
-#pragma unroll
-            for (u32 u = 1; u < 4; u++) {
-                const float4 y = *(const float4*)(kr + u * 128);
-#pragma unroll
-                for (u32 k = 0; k < 4; k++) {
-                    acc[k] += q[k][u].x * y.x;
-                    acc[k] += q[k][u].y * y.y;
-                    acc[k] += q[k][u].z * y.z;
-                    acc[k] += q[k][u].w * y.w;
-                }
-            }
-            float4 s1;
-            s1.x = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 16);
-            s1.y = acc[1] + __shfl_xor_sync(0xffffffffu, acc[1], 16);
-            s1.z = acc[2] + __shfl_xor_sync(0xffffffffu, acc[2], 16);
-            s1.w = acc[3] + __shfl_xor_sync(0xffffffffu, acc[3], 16);
+            const float4 s1 = attn_rows_level_one(q, kr);
             if (lane < 16) *(float4*)pw = s1;
         }
         __syncwarp();
@@ -1340,52 +1283,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
             float s[16];
 #pragma unroll
             for (u32 l = 0; l < 16; l++) s[l] = pp[l * 4];
-#pragma unroll
-            for (u32 l = 0; l < 8; l++) s[l] = s[l] + s[l + 8];
-#pragma unroll
-            for (u32 l = 0; l < 4; l++) s[l] = s[l] + s[l + 4];
-#pragma unroll
-            for (u32 l = 0; l < 2; l++) s[l] = s[l] + s[l + 2];
-            float d = 0.0f;
-            d += s[0] + s[1];
+            const float d = attn_rows_dot(s);
             a.scores[(u64)(h0 + hq0 + mk) * a.max_rows + t0 + mj] = d * a.kq_scale;
         }
         __syncwarp();
     }
     __syncthreads();
     // Softmax: warp w its heads 4w + k, k = 0..3, as attention_rows2 (its buffer in the acc area).
-    const u32 n_chunks = (n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
     float* const wbuf = attn_w_smem + ATTN_W_ACC + warp * 1024;
-    const bool inbuf = n_rows + n_chunks <= 1024;
     for (u32 k = 0; k < 4; k++) {
         const u32 hh = hq0 + k;
         if (hh >= n_group) break;
         float* sc = a.scores + (u64)(h0 + hh) * a.max_rows;
         const float sink = a.sinks[h0 + hh];
-        float m = sink;
-        for (u32 r = lane; r < n_rows; r += 32) m = fmaxf(m, sc[r]);
-        m = warp_max(m);
-        for (u32 r = lane; r < n_rows; r += 32) {
-            const float e = ds4_expf(sc[r] - m);
-            sc[r] = e;
-            if (inbuf) wbuf[r + r / DS4_ATTN_ROW_CHUNK] = e;
-        }
-        __syncwarp();
-        // Each chunk's weight sum from +0, sequentially; then the sink's weight and the chunk
-        // sums in order.
-        float denom = ds4_expf(sink - m);
-        for (u32 c0 = 0; c0 < n_chunks; c0 += 32) {
-            const u32 c = c0 + lane;
-            float s = 0.0f;
-            if (c < n_chunks) {
-                const u32 r1 = min((c + 1) * DS4_ATTN_ROW_CHUNK, n_rows);
-                for (u32 r = c * DS4_ATTN_ROW_CHUNK; r < r1; r++) s += inbuf ? wbuf[r + c] : sc[r];
-            }
-            for (u32 l = 0; l < 32; l++) {
-                const float cs = __shfl_sync(0xffffffffu, s, l);
-                if (c0 + l < n_chunks) denom += cs;
-            }
-        }
+        const float denom = attn_rows_softmax(sc, sink, n_rows, wbuf, lane);
         if (lane == 0) inv_sh[hh] = 1.0f / denom;
         __syncwarp();
     }
@@ -1427,37 +1338,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
         if (!busy_sum) continue;
         if (t0 > 0 && t0 % DS4_ATTN_ROW_CHUNK == 0) {
             // A chunk of rows ended with the last tile: its sums join the totals in order.
-#pragma unroll
-            for (u32 k = 0; k < 8; k++)
-#pragma unroll
-                for (u32 hf = 0; hf < 2; hf++) {
-                    float4& acc = accp[(2 * k + hf) * ATTN_WIDE_THREADS];
-                    float4 t = acc;
-                    t.x += p[k][hf].x;
-                    t.y += p[k][hf].y;
-                    t.z += p[k][hf].z;
-                    t.w += p[k][hf].w;
-                    acc = t;
-                    p[k][hf] = zero4;
-                }
+            attn_rows_flush(accp, ATTN_WIDE_THREADS, p);
         }
         const float* vr = vbase + b * ATTN_WIDE_TILE * 512;
         const float* wr = wbase + b * ATTN_WIDE_TILE * ATTN_WIDE_HEADS;
         const u32 nj = min((u32)ATTN_WIDE_TILE, n_rows - t0);
         for (u32 j = 0; j < nj; j++, vr += 512, wr += ATTN_WIDE_HEADS) {
-            const float4 v[2] = {*(const float4*)vr, *(const float4*)(vr + 256)};
-            const float4 w0 = *(const float4*)wr;
-            const float4 w1 = *(const float4*)(wr + 4);
-            const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-            for (u32 k = 0; k < 8; k++)
-#pragma unroll
-                for (u32 hf = 0; hf < 2; hf++) {
-                    p[k][hf].x += w[k] * v[hf].x;
-                    p[k][hf].y += w[k] * v[hf].y;
-                    p[k][hf].z += w[k] * v[hf].z;
-                    p[k][hf].w += w[k] * v[hf].w;
-                }
+            attn_rows_mac(p, vr, wr);
         }
     }
     if (busy_sum) {

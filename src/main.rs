@@ -1054,6 +1054,24 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     if a.profile {
         let params = ds4::recorder::StepParams::new(next, session.pos() as u32);
+        // The device's own time per token: steps queued back to back at one position (as the
+        // profile below runs), then one sample or read-back to wait for them, so the host's
+        // round trip per token (read-back, sampling, the gap before the next submit) is left out.
+        const QUEUED: usize = 32;
+        let exe = session.executable();
+        let t = Instant::now();
+        for _ in 0..QUEUED {
+            exe.step(&params)?;
+        }
+        if exe.sample(&ds4::sample::DeviceSample::GREEDY)?.is_none() {
+            exe.read_logits(&mut Vec::new())?;
+        }
+        let queued = t.elapsed();
+        out!(
+            "queued     {QUEUED} steps back to back, then one read: {:.3} ms/token ({:.1} tok/s), against {ms_per_token:.3} decoding",
+            1e3 * queued.as_secs_f64() / QUEUED as f64,
+            rate(QUEUED, queued)
+        );
         let prof = session.executable().profile(&params)?;
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
         out!("profile    one token, eager, {:.1} us in total:", total);
