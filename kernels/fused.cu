@@ -606,3 +606,86 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_tail(DS4_
     else if (threadIdx.x < 32) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
 }
 #endif
+
+// The router: its F16 projection split over blocks (mat_vec_f16_split), then, in the last block
+// once every logit is stored, the expert choice (router_select). The same functions in the same
+// order as the two kernels.
+extern "C" __global__ void router(DS4_ARGS, RouterArgs a) {
+    DS4_GUARD_EARLY;
+    const MatVecF16SplitArgs m = {a.w,    a.x,       a.partial, a.tickets,  a.logits, nullptr, nullptr,
+                                  a.in_dim, a.rows, a.rows,    a.n_chunks, a.ticket, 0};
+    if (!f16_split_rows(m)) return;
+    __syncthreads();
+    const RouterSelectArgs r = {a.logits, a.bias, a.hash, a.selected, a.weights, a.rows, a.n_used, a.n_vocab, a.scale};
+    router_select_block(P, r);
+}
+
+#if !DS4_CHUNK_ROWS
+// A Q8_0 matvec (q8_0_warp_row: a warp per row, the canonical order) that also does what the
+// next op does with its output (plan.rs `Q8Tail`):
+// 1 (norm): the last block of the launch (a ticket) RMS-normalizes the first matrix's output and
+//   quantizes it, as rms_norm does;
+// 2 (quant): a block of 32 warps per 32 output rows quantizes them, as quantize_q8_0 does;
+// 3 (swiglu): a block of 32 warps per 32 outputs of two matrices (gate and up; each warp its row
+//   of both) stores their SwiGLU and quantizes it, as swiglu does.
+// Modes 2 and 3 need no global ordering: each block quantizes its own rows from shared memory,
+// into a scratch of its own (other blocks may still read the input's quantization).
+#define Q8_TAIL_NORM 1
+#define Q8_TAIL_QUANT 2
+#define Q8_TAIL_SWIGLU 3
+#define Q8_TAIL_MAX_NORM 4096
+// Chunks a warp loads before the wait: fewer than mat_vec_q8_0's, to fit 64 registers at 32 warps
+// a block (an SM holds as many warps as with mat_vec_q8_0's blocks of 8).
+#ifndef Q8_QUANT_EARLY
+#define Q8_QUANT_EARLY 2
+#endif
+extern "C" __global__ void __launch_bounds__(1024, 1) mat_vec_q8_0_quant(DS4_ARGS, MatVecQ80TailArgs a) {
+    DS4_GUARD_EARLY;
+    const MatVecQ80Args m = {a.w, a.xq, a.xd, a.out, a.w2, a.out2, a.in_dim, a.rows, a.rows_per_group, a.rows2};
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 32 + warp;
+    __shared__ float vals[32];
+    // The warp's row, then (swiglu) its row of the second matrix: one copy of the row's code.
+    float v = 0.0f, up = 0.0f;
+    const u32 n_rows = a.mode == Q8_TAIL_SWIGLU ? 2 : 1;
+#pragma unroll 1
+    for (u32 k = 0; k < n_rows; k++) {
+        const float x = q8_0_warp_row<Q8_QUANT_EARLY>(m, k * a.rows + r, lane);
+        if (k == 0) v = x;
+        else up = x;
+    }
+    if (a.mode == Q8_TAIL_SWIGLU) v = swiglu_clamped(v, up, a.clamp);
+    if (lane == 0) vals[warp] = v;
+    __syncthreads();
+    if (warp != 0) return;
+    const float o = vals[lane];
+    if (a.mode == Q8_TAIL_SWIGLU) a.tail_out[blockIdx.x * 32 + lane] = o;
+    quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blockIdx.x, lane);
+}
+
+extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
+    DS4_GUARD_EARLY;
+    const MatVecQ80Args m = {a.w, a.xq, a.xd, a.out, a.w2, a.out2, a.in_dim, a.rows, a.rows_per_group, a.rows2};
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    q8_0_warp_row(m, blockIdx.x * nw + warp, lane);
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ __align__(16) float xs[Q8_TAIL_MAX_NORM];
+    const u32 n = a.rows;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) xs[i] = __ldcg(a.out + i);
+    __syncthreads();
+    const float scale = rms_scale_block(xs, n, a.eps);
+    for (u32 blk = warp; blk < n / 32; blk += nw) {
+        const u32 i = blk * 32 + lane;
+        const float v = xs[i] * scale;
+        const float o = a.norm_w ? v * a.norm_w[i] : v;
+        a.tail_out[i] = o;
+        quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blk, lane);
+    }
+    if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
+}
+#endif

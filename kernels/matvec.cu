@@ -592,31 +592,32 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
 }
 #endif
 #else
-extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
-    DS4_GUARD_EARLY;
-    const u32 lane = threadIdx.x & 31;
-    const u32 rr = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+// Row rr of the launch (the first matrix's rows, then the second's) by one warp: its weights'
+// first chunks loaded, then the wait for the previous kernel, then the sums; lane 0 stores it.
+// Returns the row's value in every lane (0 past the rows).
+template <u32 EARLY = Q8_EARLY_CHUNKS>
+__device__ __forceinline__ float q8_0_warp_row(const MatVecQ80Args& a, u32 rr, u32 lane) {
     const bool second = rr >= a.rows;
     const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
     const u8* w = second ? a.w2 : a.w;
     float* out = second ? a.out2 : a.out;
     const bool live = r < rows;
     const u32 nb = a.in_dim / 32;
-    int4 w0[Q8_EARLY_CHUNKS], w1[Q8_EARLY_CHUNKS];
-    u16 s[Q8_EARLY_CHUNKS];
+    int4 w0[EARLY], w1[EARLY];
+    u16 s[EARLY];
 #pragma unroll
-    for (u32 u = 0; u < Q8_EARLY_CHUNKS; u++) {
+    for (u32 u = 0; u < EARLY; u++) {
         const u32 b = u * DS4_BLOCK_CHUNK + lane;
         if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
     ds4_wait_predecessor();
-    if (!live) return;
+    if (!live) return 0.0f;
     const u32 g = second ? 0 : r / a.rows_per_group;
     const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
     const float* dx = a.xd + (u64)g * nb;
     float total = 0.0f;
 #pragma unroll
-    for (u32 u = 0; u < Q8_EARLY_CHUNKS; u++) {
+    for (u32 u = 0; u < EARLY; u++) {
         const u32 c = u * DS4_BLOCK_CHUNK;
         if (c < nb) {
             float acc = 0.0f;
@@ -624,7 +625,7 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
             total += warp_sum(acc);
         }
     }
-    for (u32 c = Q8_EARLY_CHUNKS * DS4_BLOCK_CHUNK; c < nb; c += DS4_BLOCK_CHUNK) {
+    for (u32 c = EARLY * DS4_BLOCK_CHUNK; c < nb; c += DS4_BLOCK_CHUNK) {
         float acc = 0.0f;
         const u32 b = c + lane;
         if (b < nb) {
@@ -636,6 +637,12 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
         total += warp_sum(acc);
     }
     if (lane == 0) out[r] = total;
+    return total;
+}
+
+extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
+    DS4_GUARD_EARLY;
+    q8_0_warp_row(a, blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), threadIdx.x & 31);
 }
 #endif
 
@@ -709,8 +716,8 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, MatVecF16Args a) {
 // block to finish (a ticket counter, reset by that block for the next launch) adds each row's
 // chunk sums in order from +0: the same bits as one warp doing the whole row. With `rows2` > 0 a
 // second matrix of the same width (`w2`, `out2`, ungrouped) follows as rows `rows..`.
-extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
-    DS4_GUARD_EARLY;
+// The body after the guard; returns true in the last block, once it has stored every row.
+__device__ __forceinline__ bool f16_split_rows(const MatVecF16SplitArgs& a) {
     __shared__ bool last;
     const u32 lane = threadIdx.x & 31;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -732,7 +739,7 @@ extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket, 1u) == gridDim.x - 1;
     __syncthreads();
-    if (!last) return;
+    if (!last) return false;
     __threadfence();
     for (u32 r = threadIdx.x; r < all_rows; r += blockDim.x) {
         float total = 0.0f;
@@ -741,6 +748,12 @@ extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
         else a.out2[r - a.rows] = total;
     }
     if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
+    return true;
+}
+
+extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
+    DS4_GUARD_EARLY;
+    f16_split_rows(a);
 }
 
 #if DS4_CHUNK_ROWS

@@ -5,8 +5,8 @@
 // One block of 256 threads computes p = sqrt(softplus(logit)); then warp 0 takes the experts
 // from the hash table (by token) or the top n_used of p + bias (ties to the lower expert);
 // weights p[sel] / sum * scale.
-extern "C" __global__ void router_select(DS4_ARGS, RouterSelectArgs a) {
-    DS4_GUARD;
+// The router's choice for a token, by one block of at least 32 threads (every thread calls it).
+__device__ __forceinline__ void router_select_block(const StepParams* P, const RouterSelectArgs& a) {
     const float* logits = a.logits;
     const float* bias = a.bias;
     const u32 n_expert = a.n_expert, n_used = a.n_used;
@@ -55,6 +55,11 @@ extern "C" __global__ void router_select(DS4_ARGS, RouterSelectArgs a) {
         a.selected[k] = sel[k];
         a.weights[k] = probs[sel[k]] / sum * a.scale;
     }
+}
+
+extern "C" __global__ void router_select(DS4_ARGS, RouterSelectArgs a) {
+    DS4_GUARD;
+    router_select_block(P, a);
 }
 
 // One block of 256 threads per 256 values. d = 1/iscale with iscale = -127/max, where max is the

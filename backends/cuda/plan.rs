@@ -15,6 +15,10 @@ use crate::recorder::{Buf, Cond, Op, Program, RopePos, Step, WeightId};
 pub enum Scratch {
     Q8Qs,
     Q8D,
+    /// A second Q8_0 activation scratch: a matvec's tail quantizes its output there while other
+    /// blocks still read the input's quantization from `Q8Qs`/`Q8D` ([`Q8Tail`]).
+    Q8QsB,
+    Q8DB,
     Q8KX,
     Q8KMid,
     Mid,
@@ -39,9 +43,11 @@ pub enum Scratch {
     AttnParts,
 }
 
-pub const SCRATCH_KINDS: [Scratch; 15] = [
+pub const SCRATCH_KINDS: [Scratch; 17] = [
     Scratch::Q8Qs,
     Scratch::Q8D,
+    Scratch::Q8QsB,
+    Scratch::Q8DB,
     Scratch::Q8KX,
     Scratch::Q8KMid,
     Scratch::Mid,
@@ -100,6 +106,30 @@ const Q8K_BLOCK_BYTES: usize = 304;
 const FUSE_NORM_Q8: bool = true;
 /// Warps per block of hc_pre (kernels/fused.cu HC_PRE_WARPS).
 pub(crate) const HC_PRE_WARPS: usize = 16;
+
+/// What `mat_vec_q8_0_quant` and `mat_vec_q8_0_norm` (kernels/fused.cu) do after their rows ([`Builder::try_q8_tail`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Q8Tail {
+    /// The last block: the RMS norm of the first matrix's output and its Q8_0.
+    Norm = 1,
+    /// The last block of each 32 rows: their Q8_0.
+    Quant = 2,
+    /// The last of the blocks of 32 gate and 32 up rows: their SwiGLU and its Q8_0.
+    SwiGlu = 3,
+}
+/// The widest row the norm tail takes (kernels/fused.cu Q8_TAIL_MAX_NORM).
+const Q8_TAIL_MAX_NORM: usize = 4096;
+
+/// The matvec tails planned: `DS4_CUDA_Q8_TAIL` = `0` for none, or a comma list of `norm`,
+/// `quant`, `swiglu` (to measure each).
+fn q8_tails() -> Vec<Q8Tail> {
+    let all = [("norm", Q8Tail::Norm), ("quant", Q8Tail::Quant), ("swiglu", Q8Tail::SwiGlu)];
+    match std::env::var("DS4_CUDA_Q8_TAIL") {
+        Err(_) => all.iter().map(|&(_, t)| t).collect(),
+        Ok(v) => all.iter().filter(|(n, _)| v.split(',').any(|x| x == *n)).map(|&(_, t)| t).collect(),
+    }
+}
 
 /// The (row, slot) pairs of a chunk that the grouped routed experts take (kernels/moe.cu
 /// MOE_ROUTE_MAX_PAIRS: the routing block holds them in shared memory), and the experts.
@@ -210,9 +240,9 @@ struct Builder<'a> {
     cond: u64,
     op: usize,
     ropes: Vec<(RopeParams, u32)>,
-    /// The buffer whose Q8_0 quantization is in the scratch now, the predicate it ran under and
-    /// the op that made it.
-    q8_of: Option<(Buf, u64, usize)>,
+    /// The buffer whose Q8_0 quantization is in the scratch now, the predicate it ran under, the
+    /// op that made it, and whether it is in the second scratch (`Q8QsB`).
+    q8_of: Option<(Buf, u64, usize, bool)>,
     /// Split-K launches so far (each takes its own ticket).
     tickets: u32,
     /// The ops the current op's launches compute (itself and any it absorbed).
@@ -523,20 +553,26 @@ impl<'a> Builder<'a> {
             GgmlType::Q8_0 => {
                 // Consecutive matvecs of one input (q_a and kv, shared gate and up) quantize it once,
                 // if nothing wrote it since and the quantization ran whenever this op runs.
-                let fresh = matches!(self.q8_of, Some((q, c, _)) if q == x && (c == 0 || c == self.cond));
+                let fresh = matches!(self.q8_of, Some((q, c, _, _)) if q == x && (c == 0 || c == self.cond));
                 if !fresh {
                     let n = self.len(x);
                     let (xq, xd) = self.q8_scratch(n);
                     let a = QuantizeQ80Args { x: b(x), xq, xd, n: n as u32, _pad: 0 };
                     self.launch(blocks(n / 32, 8), 256, a);
-                    self.q8_of = Some((x, self.cond, self.op));
+                    self.q8_of = Some((x, self.cond, self.op, false));
                 }
+                let in_b = matches!(self.q8_of, Some((q, _, _, true)) if q == x);
+                let (xq, xd) = if in_b {
+                    (Scratch::Q8QsB.ptr(), Scratch::Q8DB.ptr())
+                } else {
+                    (Scratch::Q8Qs.ptr(), Scratch::Q8D.ptr())
+                };
                 // A second matrix of the same input shares the launch (q_a and kv, shared gate and up).
                 let (w2, out2, rows2) = self.take_matvec_partner(x, GgmlType::Q8_0, in_dim, groups, usize::MAX);
                 let a = MatVecQ80Args {
                     w: w(wt),
-                    xq: Scratch::Q8Qs.ptr(),
-                    xd: Scratch::Q8D.ptr(),
+                    xq,
+                    xd,
                     out: b(out),
                     w2,
                     out2,
@@ -545,7 +581,9 @@ impl<'a> Builder<'a> {
                     rows_per_group,
                     rows2,
                 };
-                self.launch(blocks(rows + rows2 as usize, 8), 256, a);
+                if !self.try_q8_tail(a, out, out2, in_b)? {
+                    self.launch(blocks(rows + rows2 as usize, 8), 256, a);
+                }
             }
             GgmlType::F16 => {
                 if in_dim % 8 != 0 {
@@ -558,6 +596,9 @@ impl<'a> Builder<'a> {
                     self.need(Scratch::Partial, all_rows * n_chunks * 4);
                     self.tickets += 1;
                     self.need(Scratch::Tickets, self.tickets as usize * 4);
+                    if rows2 == 0 && groups == 1 && self.try_router(wt, x, out, n_chunks as u32)? {
+                        return Ok(());
+                    }
                     let a = MatVecF16SplitArgs {
                         w: w(wt),
                         x: b(x),
@@ -605,6 +646,157 @@ impl<'a> Builder<'a> {
             other => return Err(format!("tensor '{}' of type {other:?} is not a dense matrix", t.name)),
         }
         Ok(())
+    }
+
+    /// A decode Q8_0 matvec whose output the next op only normalizes, quantizes or takes the
+    /// SwiGLU of for the next Q8_0 matvec: that op runs in the matvec's blocks once the rows it
+    /// needs are complete ([`Q8Tail`]). `in_b`: the matvec reads the second
+    /// Q8_0 scratch.
+    fn try_q8_tail(&mut self, a: MatVecQ80Args, out: Buf, out2: Ptr, in_b: bool) -> Result<bool, String> {
+        if !self.fuse || self.program.rows() != 1 {
+            return Ok(false);
+        }
+        let on = q8_tails();
+        let (rows, rows2) = (a.rows as usize, a.rows2 as usize);
+        let next = self.next_ops(1, None);
+        let mut t = MatVecQ80TailArgs {
+            w: a.w,
+            xq: a.xq,
+            xd: a.xd,
+            out: a.out,
+            w2: a.w2,
+            out2: a.out2,
+            tickets: Scratch::Tickets.ptr(),
+            norm_w: Ptr::NULL,
+            tail_out: Ptr::NULL,
+            tail_xq: Ptr::NULL,
+            tail_xd: Ptr::NULL,
+            in_dim: a.in_dim,
+            rows: a.rows,
+            rows_per_group: a.rows_per_group,
+            rows2: a.rows2,
+            mode: 0,
+            ticket: self.tickets,
+            eps: 0.0,
+            clamp: 0.0,
+        };
+        // (the op absorbed, the buffer quantized, its quantization in the second scratch)
+        let (absorbed, quantized, to_b) = match next.as_deref() {
+            // The q_a norm: the last block, once every row is stored; the input's quantization
+            // is no longer read then, so it goes to the first scratch.
+            Some(&[(k, &Op::RmsNorm { x: nx, weight, out: no, n, rows: 1, eps })])
+                if on.contains(&Q8Tail::Norm)
+                    && nx == out
+                    && n as usize == rows
+                    && rows <= Q8_TAIL_MAX_NORM
+                    && rows.is_multiple_of(32)
+                    && !in_b
+                    && self.next_q8_input_after(no, k) =>
+            {
+                t.mode = Q8Tail::Norm as u32;
+                t.norm_w = match weight {
+                    Some(x) => self.f32_weight(x)?,
+                    None => Ptr::NULL,
+                };
+                t.eps = eps;
+                t.tail_out = b(no);
+                self.tickets += 1;
+                (Some(k), no, false)
+            }
+            // The shared expert's SwiGLU: the blocks of 32 gate rows and of the 32 up rows beside.
+            Some(&[(k, &Op::SwiGlu { gate, up, out: so, clamp })])
+                if on.contains(&Q8Tail::SwiGlu)
+                    && gate == out
+                    && out2 == b(up)
+                    && rows == rows2
+                    && self.len(so) == rows
+                    && rows.is_multiple_of(32)
+                    && !in_b
+                    && self.next_q8_input_after(so, k) =>
+            {
+                t.mode = Q8Tail::SwiGlu as u32;
+                t.clamp = clamp;
+                t.tail_out = b(so);
+                (Some(k), so, true)
+            }
+            // A plain quantization for the next Q8_0 matvec (wo_a's output for wo_b).
+            _ if on.contains(&Q8Tail::Quant)
+                && rows2 == 0
+                && rows.is_multiple_of(32)
+                && !in_b
+                && self.next_q8_input_is(out) =>
+            {
+                t.mode = Q8Tail::Quant as u32;
+                (None, out, true)
+            }
+            _ => return Ok(false),
+        };
+        self.need(Scratch::Tickets, self.tickets as usize * 4);
+        let n = self.len(quantized);
+        if to_b {
+            self.need(Scratch::Q8QsB, n);
+            self.need(Scratch::Q8DB, n / 32 * 4);
+            (t.tail_xq, t.tail_xd) = (Scratch::Q8QsB.ptr(), Scratch::Q8DB.ptr());
+        } else {
+            (t.tail_xq, t.tail_xd) = self.q8_scratch(n);
+        }
+        if let Some(k) = absorbed {
+            self.absorb_op(k);
+        }
+        if t.mode == Q8Tail::Norm as u32 {
+            self.launch(blocks(rows + rows2, 8), 256, t);
+            self.launches.last_mut().expect("just launched").kernel = "mat_vec_q8_0_norm";
+        } else {
+            // A block of 32 warps per 32 output rows.
+            self.launch((rows / 32) as u32, 1024, t);
+        }
+        self.q8_of = Some((quantized, self.cond, self.op, to_b));
+        Ok(true)
+    }
+
+    /// At the router's projection (split-K, its ticket taken): with the selection next, one
+    /// `router` launch whose last block selects once every logit is stored.
+    fn try_router(&mut self, wt: WeightId, x: Buf, out: Buf, n_chunks: u32) -> Result<bool, String> {
+        if !self.fuse || self.program.rows() != 1 || env_is("DS4_CUDA_ROUTER", "apart") {
+            return Ok(false);
+        }
+        let Some(next) = self.next_ops(1, None) else { return Ok(false) };
+        let Op::RouterSelect { logits, bias, hash, selected, weights, n_used, scale } = *next[0].1 else {
+            return Ok(false);
+        };
+        let t = self.program.weight(wt);
+        let (in_dim, rows) = (t.dim(0) as u32, t.dim(1) as u32);
+        // The select block's threads: one per expert for the probabilities (at most 1024).
+        if logits != out || rows > 1024 || n_used > 16 || self.len(out) != rows as usize {
+            return Ok(false);
+        }
+        let bias = match bias {
+            Some(x) => self.f32_weight(x)?,
+            None => Ptr::NULL,
+        };
+        let n_vocab = hash.map_or(1, |h| self.program.weight(h).dim(1) as u32);
+        self.absorb(&next);
+        let a = RouterArgs {
+            w: w(wt),
+            x: b(x),
+            partial: Scratch::Partial.ptr(),
+            tickets: Scratch::Tickets.ptr(),
+            logits: b(out),
+            bias,
+            hash: hash.map_or(Ptr::NULL, w),
+            selected: b(selected),
+            weights: b(weights),
+            in_dim,
+            rows,
+            n_chunks,
+            ticket: self.tickets - 1,
+            n_used,
+            n_vocab,
+            scale,
+            _pad: 0,
+        };
+        self.launch(blocks(rows as usize * n_chunks as usize, 8), 256, a);
+        Ok(true)
     }
 
     /// The table index of a RoPE setting, added on first use.
@@ -866,7 +1058,7 @@ impl<'a> Builder<'a> {
             a,
         );
         if xq != Ptr::NULL {
-            self.q8_of = Some((norm, self.cond, self.op));
+            self.q8_of = Some((norm, self.cond, self.op, false));
         }
         Ok(true)
     }
@@ -1002,7 +1194,7 @@ impl<'a> Builder<'a> {
                 let a = RmsNormArgs { x: b(x), w: wp, out: b(out), xq, xd, n, eps, slices, _pad: 0 };
                 self.launch(rows * slices, block, a);
                 if xq != Ptr::NULL {
-                    self.q8_of = Some((out, self.cond, self.op));
+                    self.q8_of = Some((out, self.cond, self.op, false));
                 }
             }
             Op::MatVec { w, x, out } => self.mat_vec(w, x, out, 1)?,
@@ -1201,7 +1393,7 @@ impl<'a> Builder<'a> {
                     self.launch(n_head, 1024, a);
                 }
                 if xq != Ptr::NULL {
-                    self.q8_of = Some((out, self.cond, self.op));
+                    self.q8_of = Some((out, self.cond, self.op, false));
                 }
             }
             Op::RouterSelect { logits, bias, hash, selected, weights, n_used, scale } => {
@@ -1347,7 +1539,7 @@ impl<'a> Builder<'a> {
                 let a = SwiGluArgs { gate: b(gate), up: b(up), out: b(out), xq, xd, n: n as u32, clamp };
                 self.launch(blocks(n, 256), 256, a);
                 if xq != Ptr::NULL {
-                    self.q8_of = Some((out, self.cond, self.op));
+                    self.q8_of = Some((out, self.cond, self.op, false));
                 }
             }
             Op::Add { a, b: y, out } => {
@@ -1455,7 +1647,7 @@ pub fn plan_experts(
         }
         // What the ops wrote is no longer what was quantized, unless they quantized their output.
         let steps = program.steps();
-        if b.q8_of.is_some_and(|(q, _, by)| by != i && ops.iter().any(|&k| steps[k].op.writes().contains(&q))) {
+        if b.q8_of.is_some_and(|(q, _, by, _)| by != i && ops.iter().any(|&k| steps[k].op.writes().contains(&q))) {
             b.q8_of = None;
         }
         if b.q8k_of.is_some_and(|(q, by)| by != i && ops.iter().any(|&k| steps[k].op.writes().contains(&q))) {
@@ -1555,6 +1747,8 @@ fn try_branch(
         b.contains(r)
             && match *r {
                 PtrRef::Null | PtrRef::Weight(_) | PtrRef::Grid | PtrRef::Rope(_) => false,
+                // Each launch takes tickets of its own.
+                PtrRef::Scratch(s) if s == Scratch::Tickets.ptr().0 as u32 => false,
                 PtrRef::Buf(x) => written.contains(&Buf(x)),
                 _ => true,
             }
@@ -1907,65 +2101,76 @@ mod tests {
     }
 
     /// Every Q8_0 matvec reads a Q8_0 scratch that holds its own input's quantization: the last
-    /// quantizing launch before it (a quantize_q8_0, or a norm, attention or SwiGLU that quantizes
-    /// its output) was of that buffer, and no op has written the buffer since.
+    /// quantizing launch into that scratch before it (a quantize_q8_0, or a norm, attention,
+    /// SwiGLU or matvec tail that quantizes its output) was of that buffer, and no op has written
+    /// the buffer since. Both scratches (`Q8Qs`, `Q8QsB`) are tracked apart.
     #[test]
     fn every_q8_0_matvec_reads_the_quantization_of_its_input() {
+        let (mut tails, mut in_b) = (0, 0);
         for preset in [Preset::tiny(), Preset::small()] {
             let model = Model::from_file(File::from_bytes("t", synth::build(&preset, 1)).unwrap()).unwrap();
             let program = record_token(&model, Caps { ctx: 128 }).unwrap();
             for fuse in [false, true] {
                 let plan = plan(&program, fuse, false).unwrap();
-                // (the quantized buffer's reference, the launch group that quantized it)
-                let mut held: Option<(u64, &Vec<usize>)> = None;
+                // scratch reference -> (the quantized buffer's reference, the launch group that quantized it)
+                let mut held: std::collections::HashMap<u64, (u64, &Vec<usize>)> = Default::default();
                 let (mut checked, mut fused) = (0, 0);
                 for (i, l) in plan.launches.iter().enumerate() {
                     let ops = &l.ops;
+                    let reads_q8 = l.kernel.starts_with("mat_vec_q8_0");
+                    if reads_q8 {
+                        for &k in ops {
+                            let x = match program.steps()[k].op {
+                                Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
+                                Op::RmsNorm { .. } | Op::SwiGlu { .. } if l.kernel != "mat_vec_q8_0" => continue,
+                                ref op => panic!("launch {i}: {op:?} in a Q8_0 matvec"),
+                            };
+                            let have = held.get(&l.args[1]).map(|h| h.0);
+                            assert_eq!(have, Some(args::Ptr::buf(x).0), "launch {i} (op {k})");
+                            in_b += (l.args[1] == Scratch::Q8QsB.ptr().0) as usize;
+                            checked += 1;
+                        }
+                    }
                     // (word of the output, word of xq) for the launches that quantize their output.
                     let quantizes = match l.kernel {
+                        "quantize_q8_0" => Some((0, 1)),
                         "rms_norm" => Some((2, 3)),
                         "attention" | "attention_combine" => Some((5, 8)),
                         "swiglu" => Some((2, 3)),
                         "hc_pre" => Some((11, 12)),
+                        // mode (word 13, low half) 2 quantizes the matvec's own output (word 3).
+                        "mat_vec_q8_0_quant" | "mat_vec_q8_0_norm" => {
+                            Some((if l.args[13] as u32 == Q8Tail::Quant as u32 { 3 } else { 8 }, 9))
+                        }
                         _ => None,
                     };
-                    match (l.kernel, quantizes) {
-                        ("quantize_q8_0", _) => {
-                            assert_ne!(held.map(|h| h.0), Some(l.args[0]), "launch {i} re-quantizes a held input");
-                            held = Some((l.args[0], ops));
-                        }
-                        (_, Some((out, xq))) if l.args[xq] != 0 => {
-                            held = Some((l.args[out], ops));
+                    if let Some((out, xq)) = quantizes.filter(|&(_, xq)| l.args[xq] != 0) {
+                        if l.kernel == "quantize_q8_0" {
+                            let again = held.get(&l.args[xq]).map(|h| h.0) == Some(l.args[out]);
+                            assert!(!again, "launch {i} re-quantizes a held input");
+                        } else {
                             fused += 1;
                         }
-                        ("mat_vec_q8_0", _) => {
-                            for &k in ops {
-                                let x = match program.steps()[k].op {
-                                    Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
-                                    ref op => panic!("launch {i}: {op:?} in a Q8_0 matvec"),
-                                };
-                                assert_eq!(held.map(|h| h.0), Some(args::Ptr::buf(x).0), "launch {i} (op {k})");
-                                checked += 1;
-                            }
-                        }
-                        _ => {}
+                        tails += l.kernel.starts_with("mat_vec_q8_0_") as usize;
+                        held.insert(l.args[xq], (l.args[out], ops));
                     }
                     // After a group's last launch, what its ops wrote is no longer what was quantized
                     // (unless the group quantized its own output).
                     let last_of_group = plan.launches.get(i + 1).is_none_or(|n| n.ops != l.ops);
-                    if let (true, Some((buf, by))) = (last_of_group, held) {
-                        let writes = ops
-                            .iter()
-                            .any(|&k| program.steps()[k].op.writes().iter().any(|&w| args::Ptr::buf(w).0 == buf));
-                        if by != ops && writes {
-                            held = None;
-                        }
+                    if last_of_group {
+                        held.retain(|_, &mut (buf, by)| {
+                            let writes = ops
+                                .iter()
+                                .any(|&k| program.steps()[k].op.writes().iter().any(|&w| args::Ptr::buf(w).0 == buf));
+                            by == ops || !writes
+                        });
                     }
                 }
                 assert!(checked > 10, "{}: {checked} Q8_0 matvecs", preset.name);
                 assert!(!FUSE_NORM_Q8 || fused > 3, "{}: {fused} fused quantizations", preset.name);
             }
         }
+        assert!(tails > 0 && in_b > 0, "{tails} matvec tails, {in_b} matvecs reading the second scratch");
     }
 
     /// The fused plan runs the ops in an order the program's data allows: an op that moved
@@ -2030,6 +2235,12 @@ mod tests {
         assert_eq!(count(&fused, "add"), 0);
         assert_eq!(count(&fused, "hc_pre"), 2 * layers);
         assert_eq!(count(&fused, "hc_split"), 0);
+        // The router selects in its projection's last block; the q_a norm, wo_a's quantization
+        // and the shared expert's SwiGLU run in their matvecs' tails.
+        assert_eq!((count(&fused, "router"), count(&fused, "router_select")), (layers, 0));
+        let tails = count(&fused, "mat_vec_q8_0_quant") + count(&fused, "mat_vec_q8_0_norm");
+        assert_eq!(tails, q8_tails().len() * layers);
+        assert_eq!((count(&fused, "swiglu"), count(&fused, "quantize_q8_0")), (0, 0));
         // Every hc_pre but the token's first (after embed_hc) takes the streams' sums of squares
         // from the hc_post launched just before it.
         let reads_ss = |l: &Launch| l.ptr_words.iter().any(|&k| l.args[k] == Scratch::HcSumSq.ptr().0);
