@@ -119,6 +119,13 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "moe_sum"
         | "moe_gate_up_rows"
         | "moe_down_rows" => "moe",
+        // The device sampler (after a token, not planned).
+        "sample_argmax_part"
+        | "sample_argmax_final"
+        | "sample_hist"
+        | "sample_pick"
+        | "sample_gather"
+        | "sample_final" => "sample",
         _ => return None,
     })
 }
