@@ -237,24 +237,21 @@ var<workgroup> smp_u: array<u32, 4>;
 var<workgroup> smp_scan: array<u32, 256>;
 var<workgroup> smp_cut: atomic<u32>;
 
-// How many invocations before this one have `flag` set, and how many in all (uniform).
-fn smp_count_before(flag: bool, lid: u32) -> vec2<u32> {
-    let own = select(0u, 1u, flag);
-    smp_scan[lid] = own;
+// The sum of `v` over the invocations before this one, and over all (uniform).
+fn smp_scan_before(v: u32, lid: u32) -> vec2<u32> {
+    smp_scan[lid] = v;
     workgroupBarrier();
     for (var o = 1u; o < 256u; o = o * 2u) {
-        var v = 0u;
+        var t = 0u;
         if (lid >= o) {
-            v = smp_scan[lid - o];
+            t = smp_scan[lid - o];
         }
         workgroupBarrier();
-        smp_scan[lid] = smp_scan[lid] + v;
+        smp_scan[lid] = smp_scan[lid] + t;
         workgroupBarrier();
     }
-    let before = smp_scan[lid] - own;
+    let before = smp_scan[lid] - v;
     let total = workgroupUniformLoad(&smp_scan[255]);
-    // The next call's writes wait for these reads.
-    workgroupBarrier();
     return vec2<u32>(before, total);
 }
 
@@ -293,23 +290,25 @@ fn sample_final(@builtin(local_invocation_index) lid: u32) {
         smp_ci[c] = ST[ST_CAND + 2u * c + 1u];
     }
     if (n_eq != need_eq) {
-        // Only some keys equal to the threshold are candidates: the lowest ids, in id order.
-        var taken = 0u;
-        for (var base = 0u; base < n; base = base + 256u) {
-            let i = base + lid;
-            var eq = false;
-            if (i < n) {
-                let b = LOGITS[i];
-                eq = smp_finite(b) && smp_key(b) == thresh;
+        // Only some keys equal to the threshold are candidates: the lowest ids. Each invocation
+        // counts them in its own range of ids, then writes its own from its rank on.
+        let span = (n + 255u) / 256u;
+        let first = min(lid * span, n);
+        let end = min(first + span, n);
+        var mine = 0u;
+        for (var i = first; i < end; i = i + 1u) {
+            let b = LOGITS[i];
+            if (smp_finite(b) && smp_key(b) == thresh) {
+                mine = mine + 1u;
             }
-            let c = smp_count_before(eq, lid);
-            if (eq && taken + c.x < need_eq) {
-                smp_ck[got + taken + c.x] = thresh;
-                smp_ci[got + taken + c.x] = i;
-            }
-            taken = taken + c.y;
-            if (taken >= need_eq) {
-                break;
+        }
+        var rank = smp_scan_before(mine, lid).x;
+        for (var i = first; i < end && rank < need_eq; i = i + 1u) {
+            let b = LOGITS[i];
+            if (smp_finite(b) && smp_key(b) == thresh) {
+                smp_ck[got + rank] = thresh;
+                smp_ci[got + rank] = i;
+                rank = rank + 1u;
             }
         }
     }

@@ -470,6 +470,26 @@ mod imp {
         Ok((module, info))
     }
 
+    /// Entry points that write every word of workgroup memory before reading it: the zeroing
+    /// that WGSL asks for would only cost (on lavapipe a workgroup's invocation 0 stores every
+    /// word: 20 ms a dispatch for the attention's 14 KiB).
+    const NO_ZEROED_WORKGROUP_MEMORY: [&str; 7] = [
+        "attention",
+        "sample_argmax_part",
+        "sample_argmax_final",
+        "sample_hist",
+        "sample_pick",
+        "sample_gather",
+        "sample_final",
+    ];
+
+    fn compilation_options(entry: &str) -> wgpu::PipelineCompilationOptions<'static> {
+        wgpu::PipelineCompilationOptions {
+            zero_initialize_workgroup_memory: !NO_ZEROED_WORKGROUP_MEMORY.contains(&entry),
+            ..Default::default()
+        }
+    }
+
     /// One shader file's module, with naga's module and analysis (for the bindings it uses).
     fn shader_module(
         device: &wgpu::Device,
@@ -524,7 +544,7 @@ mod imp {
                     layout: None,
                     module: &sm,
                     entry_point: Some(entry),
-                    compilation_options: Default::default(),
+                    compilation_options: compilation_options(entry),
                     cache: None,
                 });
                 let used = used_bindings(&m, &info, entry)
@@ -661,8 +681,8 @@ mod imp {
                 wmap,
                 grid,
                 ropes,
-                dummy: sized("dummy", 4),
-                dummy_out: sized("dummy output", 4),
+                dummy: sized("dummy", 16),
+                dummy_out: sized("dummy output", 16),
                 pipeline_of: HashMap::new(),
                 used_of: HashMap::new(),
                 layouts: plan.layouts.clone(),
@@ -708,7 +728,7 @@ mod imp {
                             layout: None,
                             module: sm,
                             entry_point: Some(d.entry),
-                            compilation_options: Default::default(),
+                            compilation_options: compilation_options(d.entry),
                             cache: None,
                         });
                         pipelines.push(pl);
