@@ -471,8 +471,8 @@ mod imp {
     }
 
     /// Entry points that write every word of workgroup memory before reading it: the zeroing
-    /// that WGSL asks for would only cost (on lavapipe a workgroup's invocation 0 stores every
-    /// word: 20 ms a dispatch for the attention's 14 KiB).
+    /// that WGSL asks for would only cost (on llvmpipe through GL a workgroup's invocation 0
+    /// stores every word: 20 ms a dispatch for the attention's 14 KiB).
     const NO_ZEROED_WORKGROUP_MEMORY: [&str; 7] = [
         "attention",
         "sample_argmax_part",
