@@ -123,3 +123,105 @@ fn an_adapter_that_is_not_there_is_a_clear_error() {
 fn wgpu_top_k_equals_the_cpu_on_crafted_scores() {
     common::assert_top_k_equals_the_cpu(wgpu_backend().as_ref());
 }
+
+/// Sampling on the device (only the id comes back) picks what the host's definition picks for
+/// the same draw (`sample::pick`), on crafted logits of the small preset's 8192-token vocabulary:
+/// ties straddling the K-th candidate, NaN, infinities, signed zeros, subnormals, nothing finite,
+/// and settings at their edges (subnormal temperature and min-p, infinite temperature, top-p 0).
+#[test]
+fn wgpu_device_sampling_equals_the_host_on_crafted_logits() {
+    use ds4::sample::{pick, DeviceSample};
+    let model = preset_model(&Preset::small());
+    let program = Arc::new(ds4::decode::record_token(&model, ds4::decode::Caps { ctx: 16 }).unwrap());
+    let mut exe = wgpu_backend().compile(program.clone(), model).unwrap();
+    let n = program.n_vocab();
+    let mut seed = 11u64;
+    let mut next = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) as u32
+    };
+    let special =
+        [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, f32::MIN_POSITIVE];
+    let draw = |temperature: f32, top_k: u32, top_p: f32, min_p: f32, r: f32| DeviceSample {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        r,
+    };
+    for case in 0..8 {
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                let r = next();
+                match case {
+                    0 => (r % 16001) as f32 / 1000.0 - 8.0,
+                    // Five values, over 1600 logits each: the K-th candidate is among equals.
+                    1 => (r % 5) as f32 * 0.5,
+                    2 => match r % 4 {
+                        0 => special[(r / 4) as usize % special.len()],
+                        _ => (r % 2001) as f32 / 100.0 - 10.0,
+                    },
+                    3 => f32::NAN,
+                    // Nothing finite: the argmax, the first +inf.
+                    4 => [f32::NAN, f32::NEG_INFINITY, f32::INFINITY][(r % 3) as usize],
+                    // Around the smallest normal: differences and quotients underflow.
+                    5 => f32::from_bits((r % 3) << 23 | (r >> 9)) * if r % 2 == 0 { 1.0 } else { -1.0 },
+                    // One spike over zeros of both signs.
+                    6 => {
+                        if i == 4321 {
+                            2.0
+                        } else {
+                            [0.0, -0.0][(r % 2) as usize]
+                        }
+                    }
+                    _ => 1.0 - (r % 3000) as f32 * 1e-4,
+                }
+            })
+            .collect();
+        exe.write_buffer(program.logits(), &v).unwrap();
+        let mut r = || (next() >> 7) as f32 / (1u32 << 24) as f32;
+        let draws = [
+            DeviceSample::GREEDY,
+            draw(0.8, 40, 0.9, 0.05, r()),
+            draw(1.5, 0, 1.0, 0.0, 0.99999994),
+            draw(0.3, 5000, 0.3, 0.0, r()),
+            draw(1e-30, 3, 1.0, 0.0, r()),
+            draw(f32::INFINITY, 1024, 1.0, 0.0, r()),
+            draw(1e-40, 10, 1.0, 1e-40, 1e-40),
+            draw(1.0, 1, 1.0, 0.0, r()),
+            draw(2.0, 1023, 0.0, 1.0, 0.0),
+            draw(0.7, 2, 0.5, 0.5, r()),
+            draw(1e3, 700, 0.95, 1e-3, r()),
+        ];
+        for s in draws {
+            let got = exe.sample(&s).unwrap().expect("wgpu samples on the device");
+            assert_eq!(got, pick(&v, &s), "case {case}, {s:?}");
+        }
+    }
+}
+
+/// A session on wgpu samples on the device (no logits read back) and picks the canonical CPU's
+/// tokens, greedy and seeded with every filter on, along a sampled continuation of tiny-a.
+#[test]
+fn wgpu_device_sampling_equals_the_canonical_cpu_over_tiny_tokens() {
+    use ds4::sample::{Sampler, SamplerConfig};
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let gpu = wgpu_backend();
+    let mut a = Session::new(model.clone(), &cpu, 64).unwrap();
+    let mut b = Session::new(model, gpu.as_ref(), 64).unwrap();
+    let seeded = SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.05, seed: 3 };
+    let (mut ga, mut gb) = (Sampler::new(SamplerConfig::default()), Sampler::new(SamplerConfig::default()));
+    let (mut sa, mut sb) = (Sampler::new(seeded), Sampler::new(seeded));
+    let mut t = 0;
+    for i in 0..24 {
+        a.feed(&[t], |_| {}).unwrap();
+        b.feed(&[t], |_| {}).unwrap();
+        let greedy = (a.sample(&mut ga).unwrap(), b.sample(&mut gb).unwrap());
+        let sampled = (a.sample(&mut sa).unwrap(), b.sample(&mut sb).unwrap());
+        assert_eq!(greedy.0, greedy.1, "token {i}: greedy");
+        assert_eq!(sampled.0, sampled.1, "token {i}: seeded");
+        assert!(b.logits().is_empty(), "wgpu read the logits back");
+        t = sampled.0;
+    }
+}

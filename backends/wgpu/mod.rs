@@ -1,6 +1,9 @@
 //! The wgpu backend: the recorded program as WGSL compute dispatches (`shaders/`), bit-identical
 //! to the canonical CPU profile. Pipelines, bind groups and buffers are made once at compile();
 //! each token is one `write_buffer` of the step parameters, one command buffer and one submit.
+//! The command buffer is the same for every token, so the next one is encoded while the GPU
+//! runs the current one; a step's submit waits for the call after it, so that a device sample
+//! (shaders/sample.wgsl: only the 4-byte id comes back) goes in the same submit.
 //! The adapter is the one named by `DS4_WGPU_ADAPTER` (a case-insensitive part of its name), else
 //! the first discrete GPU, integrated GPU, other adapter, in that order.
 
@@ -44,6 +47,9 @@ pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
         "indexer" => include_str!("../../shaders/indexer.wgsl"),
         "attention" => include_str!("../../shaders/attention.wgsl"),
         "moe" => include_str!("../../shaders/moe.wgsl"),
+        "sample" => {
+            concat!(include_str!("../../shaders/softfloat.wgsl"), "\n", include_str!("../../shaders/sample.wgsl"))
+        }
         _ => return None,
     };
     let lanes = match subgroups {
@@ -75,12 +81,33 @@ pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
         _ => "",
     };
     let common = include_str!("../../shaders/common.wgsl");
-    Some(format!("{}{common}\n{lanes}\n{row_scale}\n{sinkhorn}\n{body}", wgsl_constants()))
+    let layout = if file == "sample" { sample_constants() } else { String::new() };
+    Some(format!("{}{layout}{common}\n{lanes}\n{row_scale}\n{sinkhorn}\n{body}", wgsl_constants()))
+}
+
+/// Logits per workgroup of the device sampler's sliced dispatches (shaders/sample.wgsl).
+pub const SAMPLE_SLICE: u32 = 2048;
+/// Where the sampled id lies in the sampler's state buffer, in words.
+pub const SAMPLE_ST_OUT: u32 = 6;
+/// The words of the sampler's state that a non-greedy draw starts from zero.
+pub const SAMPLE_ST_HEADER: u32 = 16;
+/// Where the candidates start in the state buffer (after the header), two words each.
+pub const SAMPLE_ST_CAND: u32 = SAMPLE_ST_HEADER;
+/// Where the argmax partials start, two words per workgroup.
+pub const SAMPLE_ST_PART: u32 = SAMPLE_ST_CAND + 2 * crate::sample::CANDIDATE_CAP as u32;
+
+/// The device sampler's layout constants as WGSL, so the shader and the host cannot drift apart.
+fn sample_constants() -> String {
+    format!(
+        "const SMP_SLICE: u32 = {SAMPLE_SLICE}u;\nconst SMP_CAP: u32 = {}u;\nconst ST_OUT: u32 = {SAMPLE_ST_OUT}u;\n\
+         const ST_CAND: u32 = {SAMPLE_ST_CAND}u;\nconst ST_PART: u32 = {SAMPLE_ST_PART}u;\n",
+        crate::sample::CANDIDATE_CAP
+    )
 }
 
 /// Every shader file.
-pub const SHADER_FILES: [&str; 9] =
-    ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe"];
+pub const SHADER_FILES: [&str; 10] =
+    ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe", "sample"];
 
 /// The canonical profile's constants as WGSL `f32` literals that parse back to the same bits
 /// (Rust's shortest round-trip form), so the shaders and `crate::numerics` cannot drift apart.
@@ -125,6 +152,7 @@ mod imp {
     use crate::model::Model;
     use crate::quant::{self, GgmlType};
     use crate::recorder::{Buf, BufKind, DType, Program, StepParams};
+    use crate::sample::DeviceSample;
 
     fn err(msg: impl Into<String>) -> BackendError {
         BackendError::new("wgpu", msg)
@@ -274,6 +302,33 @@ mod imp {
         chunk: Option<Chunk>,
         /// Host time per token (`DS4_WGPU_HOST_TIMES=1`): encoding, submitting, reading back.
         host_times: Option<std::cell::RefCell<HostTimes>>,
+        sampler: DeviceSampler,
+        /// One read-back buffer for every read, grown when a read needs more.
+        staging: std::cell::RefCell<Option<wgpu::Buffer>>,
+        /// A token's command buffer, encoded ahead (while the GPU runs the token before): every
+        /// token's commands are the same, only the step parameters differ.
+        ready: Option<wgpu::CommandBuffer>,
+        /// The last `step`'s command buffer with its parameters written, not submitted yet: a
+        /// `sample` submits it with the sampler's dispatches, anything else first on its own.
+        pending: Option<wgpu::CommandBuffer>,
+    }
+
+    /// The entry points of shaders/sample.wgsl, in the order of `DeviceSampler::passes`.
+    const SAMPLE_ENTRIES: [&str; 6] =
+        ["sample_argmax_part", "sample_argmax_final", "sample_hist", "sample_pick", "sample_gather", "sample_final"];
+
+    /// The device sampler (shaders/sample.wgsl), dispatched after a token on its logits.
+    struct DeviceSampler {
+        /// The draw's parameters (`SampleParams`).
+        params: wgpu::Buffer,
+        /// The selection's state, the candidates, the argmax partials and the sampled id.
+        st: wgpu::Buffer,
+        /// The radix histogram and the gather's slot counter.
+        hist: wgpu::Buffer,
+        /// Workgroups of the sliced entries.
+        groups: u32,
+        /// A pipeline and its bind group per entry of `SAMPLE_ENTRIES`.
+        passes: Vec<(wgpu::ComputePipeline, wgpu::BindGroup)>,
     }
 
     /// Where a token's host time goes, summed over tokens (printed with the warnings).
@@ -415,6 +470,108 @@ mod imp {
         Ok((module, info))
     }
 
+    /// Entry points that write every word of workgroup memory before reading it: the zeroing
+    /// that WGSL asks for would only cost (on llvmpipe through GL a workgroup's invocation 0
+    /// stores every word: 20 ms a dispatch for the attention's 14 KiB).
+    const NO_ZEROED_WORKGROUP_MEMORY: [&str; 7] = [
+        "attention",
+        "sample_argmax_part",
+        "sample_argmax_final",
+        "sample_hist",
+        "sample_pick",
+        "sample_gather",
+        "sample_final",
+    ];
+
+    fn compilation_options(entry: &str) -> wgpu::PipelineCompilationOptions<'static> {
+        wgpu::PipelineCompilationOptions {
+            zero_initialize_workgroup_memory: !NO_ZEROED_WORKGROUP_MEMORY.contains(&entry),
+            ..Default::default()
+        }
+    }
+
+    /// One shader file's module, with naga's module and analysis (for the bindings it uses).
+    fn shader_module(
+        device: &wgpu::Device,
+        file: &'static str,
+        subgroups: bool,
+    ) -> Result<(wgpu::ShaderModule, naga::Module, naga::valid::ModuleInfo), BackendError> {
+        let (m, info) = validate(file, subgroups).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
+        let src = super::shader_source(file, subgroups).unwrap_or_default();
+        // Without wgpu's forced loop bound: naga would give every loop a 64-bit counter and an
+        // extra exit, which keeps the driver from unrolling the short fixed loops (lanes, blocks,
+        // butterflies) every shader is made of. Bounds checks stay on (turning them off measured
+        // no faster on the H200: flash-4l 2.37 against 2.38 ms of device time per token).
+        let checks = wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..Default::default() };
+        let desc = wgpu::ShaderModuleDescriptor { label: Some(file), source: wgpu::ShaderSource::Wgsl(src.into()) };
+        // SAFETY: every loop in shaders/ ends: its bound is an argument word or a constant, and
+        // no loop waits on another invocation.
+        let sm = unsafe { device.create_shader_module_trusted(desc, checks) };
+        Ok((sm, m, info))
+    }
+
+    impl DeviceSampler {
+        /// The sampler's buffers, pipelines and bind groups, over `logits` (`n` values).
+        fn new(
+            device: &wgpu::Device,
+            subgroups: bool,
+            params: &wgpu::Buffer,
+            logits: &wgpu::Buffer,
+            n: usize,
+        ) -> Result<Self, BackendError> {
+            let n = u32::try_from(n).map_err(|_| err("the vocabulary is too large to sample on the device"))?;
+            let groups = n.div_ceil(super::SAMPLE_SLICE).max(1);
+            if groups > device.limits().max_compute_workgroups_per_dimension {
+                return Err(err("the vocabulary is too large to sample on the device"));
+            }
+            let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
+            let buffer = |label: &str, words: u32, usage: wgpu::BufferUsages| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size: 4 * words as u64,
+                    usage,
+                    mapped_at_creation: false,
+                })
+            };
+            let st = buffer("sampler state", super::SAMPLE_ST_PART + 2 * groups, storage);
+            let hist = buffer("sampler histogram", 260, storage);
+            let sp = buffer("sampler params", 8, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST);
+            let (sm, m, info) = shader_module(device, "sample", subgroups)?;
+            let mut passes = Vec::with_capacity(SAMPLE_ENTRIES.len());
+            for entry in SAMPLE_ENTRIES {
+                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout: None,
+                    module: &sm,
+                    entry_point: Some(entry),
+                    compilation_options: compilation_options(entry),
+                    cache: None,
+                });
+                let used = used_bindings(&m, &info, entry)
+                    .ok_or_else(|| err(format!("shaders/sample.wgsl has no entry point '{entry}'")))?;
+                let mut entries = Vec::with_capacity(used.len());
+                for b in used {
+                    let buf = match b {
+                        0 => params,
+                        2 => logits,
+                        3 => &st,
+                        4 => &hist,
+                        5 => &sp,
+                        _ => return Err(err(format!("{entry}: binding {b} is not the sampler's"))),
+                    };
+                    entries.push(wgpu::BindGroupEntry { binding: b, resource: buf.as_entire_binding() });
+                }
+                let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some(entry),
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &entries,
+                });
+                passes.push((pipeline, bind_group));
+            }
+            Ok(DeviceSampler { params: sp, st, hist, groups, passes })
+        }
+    }
+
     impl WgpuExecutable {
         fn new(be: &WgpuBackend, program: Arc<Program>, model: Arc<Model>) -> Result<Self, BackendError> {
             if !model.file.has_data() {
@@ -524,8 +681,8 @@ mod imp {
                 wmap,
                 grid,
                 ropes,
-                dummy: sized("dummy", 4),
-                dummy_out: sized("dummy output", 4),
+                dummy: sized("dummy", 16),
+                dummy_out: sized("dummy output", 16),
                 pipeline_of: HashMap::new(),
                 used_of: HashMap::new(),
                 layouts: plan.layouts.clone(),
@@ -560,23 +717,7 @@ mod imp {
             for (i, d) in all.iter().enumerate() {
                 let file = plan::shader_of(d.entry).ok_or_else(|| err(format!("no shader has '{}'", d.entry)))?;
                 if !modules.contains_key(file) {
-                    let (m, info) =
-                        validate(file, be.subgroups).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
-                    let src = super::shader_source(file, be.subgroups).unwrap_or_default();
-                    // Without wgpu's forced loop bound: naga would give every loop a 64-bit
-                    // counter and an extra exit, which keeps the driver from unrolling the
-                    // short fixed loops (lanes, blocks, butterflies) every shader is made of.
-                    // Bounds checks stay on (turning them off measured no faster on the H200:
-                    // flash-4l 2.37 against 2.38 ms of device time per token).
-                    let checks = wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..Default::default() };
-                    let desc = wgpu::ShaderModuleDescriptor {
-                        label: Some(file),
-                        source: wgpu::ShaderSource::Wgsl(src.into()),
-                    };
-                    // SAFETY: every loop in shaders/ ends: its bound is an argument word or a
-                    // constant, and no loop waits on another invocation.
-                    let sm = unsafe { device.create_shader_module_trusted(desc, checks) };
-                    modules.insert(file, (sm, m, info));
+                    modules.insert(file, shader_module(&device, file, be.subgroups)?);
                 }
                 let (sm, m, info) = &modules[file];
                 let p = match shared.pipeline_of.get(d.entry) {
@@ -587,7 +728,7 @@ mod imp {
                             layout: None,
                             module: sm,
                             entry_point: Some(d.entry),
-                            compilation_options: Default::default(),
+                            compilation_options: compilation_options(d.entry),
                             cache: None,
                         });
                         pipelines.push(pl);
@@ -631,6 +772,8 @@ mod imp {
                 dispatches.push(Resolved { op: d.op, entry: d.entry, pipeline: p, bind_group, groups: (x, y) });
             }
             let single_ops = dispatches.split_off(plan.dispatches.len());
+            let logits = &bufs[program.logits().0 as usize];
+            let sampler = DeviceSampler::new(&device, be.subgroups, &params, logits, program.n_vocab())?;
             let mut exe = WgpuExecutable {
                 program,
                 device,
@@ -649,9 +792,14 @@ mod imp {
                 host_times: std::env::var("DS4_WGPU_HOST_TIMES")
                     .is_ok_and(|v| v == "1")
                     .then(|| std::cell::RefCell::new(HostTimes::default())),
+                sampler,
+                staging: std::cell::RefCell::new(None),
+                ready: None,
+                pending: None,
             };
             exe.check_errors()?;
             exe.reset()?;
+            exe.check_errors()?;
             Ok(exe)
         }
 
@@ -924,8 +1072,8 @@ mod imp {
             Ok(())
         }
 
-        /// Records the dispatches in `list` of ops in `ops` into one compute pass and submits it.
-        fn run(&self, list: &[Resolved], ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+        /// The dispatches in `list` of ops in `ops`, recorded into one compute pass.
+        fn encode(&self, list: &[Resolved], ops: std::ops::Range<usize>) -> wgpu::CommandBuffer {
             let t0 = std::time::Instant::now();
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("token") });
             {
@@ -938,44 +1086,90 @@ mod imp {
                 }
             }
             let cb = enc.finish();
-            let t1 = std::time::Instant::now();
-            self.queue.submit([cb]);
             if let Some(h) = &self.host_times {
-                let mut h = h.borrow_mut();
-                h.tokens += 1;
-                h.encode += t1 - t0;
-                h.submit += t1.elapsed();
+                h.borrow_mut().encode += t0.elapsed();
             }
+            cb
+        }
+
+        fn submit(&self, cbs: impl IntoIterator<Item = wgpu::CommandBuffer>) {
+            let t0 = std::time::Instant::now();
+            self.queue.submit(cbs);
+            if let Some(h) = &self.host_times {
+                h.borrow_mut().submit += t0.elapsed();
+            }
+        }
+
+        /// Submits the last step's commands if they still wait, then encodes the next token's
+        /// if none are ready (while the GPU runs the one just submitted). Everything that uses
+        /// the queue, other than `sample`, calls this first.
+        fn flush(&mut self) -> Result<(), BackendError> {
+            if let Some(cb) = self.pending.take() {
+                self.submit([cb]);
+            }
+            self.prepare();
             self.check_errors()
         }
 
-        fn read_raw(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, BackendError> {
-            let t0 = std::time::Instant::now();
-            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+        fn prepare(&mut self) {
+            if self.ready.is_none() {
+                self.ready = Some(self.encode(&self.dispatches, 0..usize::MAX));
+            }
+        }
+
+        /// The read-back buffer, at least `bytes` long.
+        fn staging(&self, bytes: u64) -> wgpu::Buffer {
+            let mut s = self.staging.borrow_mut();
+            if let Some(b) = s.as_ref().filter(|b| b.size() >= bytes) {
+                return b.clone();
+            }
+            let b = self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("readback"),
-                size: bytes.max(4),
+                size: bytes,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
-            enc.copy_buffer_to_buffer(buf, 0, &staging, 0, bytes.max(4));
-            self.queue.submit([enc.finish()]);
+            *s = Some(b.clone());
+            b
+        }
+
+        /// The first `bytes` (a multiple of 4) of the read-back buffer, once the GPU has written
+        /// them. After a failure the buffer is dropped (its map may still be pending).
+        fn map_read(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, BackendError> {
             let (tx, rx) = std::sync::mpsc::channel();
-            staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            staging.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
                 let _ = tx.send(r);
             });
-            self.wait()?;
-            rx.recv()
-                .map_err(|_| err("the read-back never completed"))?
-                .map_err(|e| err(format!("cannot read a buffer back: {e}")))?;
-            let out = staging.get_mapped_range(..).map_err(|e| err(format!("cannot map: {e}")))?.to_vec();
-            staging.unmap();
+            let out = self.wait().and_then(|_| {
+                rx.recv()
+                    .map_err(|_| err("the read-back never completed"))?
+                    .map_err(|e| err(format!("cannot read a buffer back: {e}")))?;
+                let out = staging.get_mapped_range(..bytes).map_err(|e| err(format!("cannot map: {e}")))?.to_vec();
+                staging.unmap();
+                Ok(out)
+            });
+            if out.is_err() {
+                *self.staging.borrow_mut() = None;
+            }
+            out
+        }
+
+        /// Copies the first `bytes` of `buf` back (the queue flushed by the caller).
+        fn read_raw(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, BackendError> {
+            let t0 = std::time::Instant::now();
+            let size = bytes.div_ceil(4).max(1) * 4;
+            let staging = self.staging(size);
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
+            enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
+            self.queue.submit([enc.finish()]);
+            let mut out = self.map_read(&staging, size)?;
+            out.truncate(bytes as usize);
             if let Some(h) = &self.host_times {
                 let mut h = h.borrow_mut();
                 h.reads += 1;
                 h.read += t0.elapsed();
             }
-            Ok(out[..bytes as usize].to_vec())
+            Ok(out)
         }
 
         /// Times each dispatch with timestamp queries, one compute pass per dispatch. A pass's
@@ -1047,16 +1241,92 @@ mod imp {
         }
 
         fn step(&mut self, p: &StepParams) -> Result<(), BackendError> {
+            self.program.check_params(p).map_err(err)?;
+            // The token before goes first: its parameters are written at its submit.
+            self.flush()?;
             self.write_params(p)?;
-            self.run(&self.dispatches, 0..usize::MAX)
+            let cb = match self.ready.take() {
+                Some(cb) => cb,
+                None => self.encode(&self.dispatches, 0..usize::MAX),
+            };
+            self.pending = Some(cb);
+            if let Some(h) = &self.host_times {
+                h.borrow_mut().tokens += 1;
+            }
+            Ok(())
         }
 
         fn step_ops(&mut self, p: &StepParams, ops: std::ops::Range<usize>) -> Result<(), BackendError> {
+            self.program.check_params(p).map_err(err)?;
+            self.flush()?;
             self.write_params(p)?;
-            self.run(&self.single_ops, ops)
+            let cb = self.encode(&self.single_ops, ops);
+            self.submit([cb]);
+            self.check_errors()
+        }
+
+        fn sample(&mut self, s: &DeviceSample) -> Result<Option<u32>, BackendError> {
+            let t0 = std::time::Instant::now();
+            let n = self.program.n_vocab();
+            let sm = &self.sampler;
+            let words = [
+                n as u32,
+                s.candidates(),
+                s.temperature.to_bits(),
+                s.top_p.to_bits(),
+                s.min_p.to_bits(),
+                s.r.to_bits(),
+                0,
+                0,
+            ];
+            self.queue.write_buffer(&sm.params, 0, bytemuck::cast_slice(&words));
+            let staging = self.staging(4);
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("sample") });
+            // (entry of SAMPLE_ENTRIES, workgroups)
+            let mut seq = Vec::with_capacity(10);
+            if s.is_greedy() {
+                seq.extend([(0, sm.groups), (1, 1)]);
+            } else {
+                enc.clear_buffer(&sm.hist, 0, None);
+                enc.clear_buffer(&sm.st, 0, Some(4 * super::SAMPLE_ST_HEADER as u64));
+                for _ in 0..4 {
+                    seq.extend([(2, sm.groups), (3, 1)]);
+                }
+                seq.extend([(4, sm.groups), (5, 1)]);
+            }
+            {
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                for (i, groups) in seq {
+                    pass.set_pipeline(&sm.passes[i].0);
+                    pass.set_bind_group(0, &sm.passes[i].1, &[]);
+                    pass.dispatch_workgroups(groups, 1, 1);
+                }
+            }
+            enc.copy_buffer_to_buffer(&sm.st, 4 * super::SAMPLE_ST_OUT as u64, &staging, 0, 4);
+            // The last step's commands and the sampler's in one submit.
+            let mut cbs = Vec::with_capacity(2);
+            cbs.extend(self.pending.take());
+            cbs.push(enc.finish());
+            self.submit(cbs);
+            self.check_errors()?;
+            self.prepare();
+            let raw = self.map_read(&staging, 4)?;
+            if let Some(h) = &self.host_times {
+                let mut h = h.borrow_mut();
+                h.reads += 1;
+                h.read += t0.elapsed();
+            }
+            let id = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+            if id as usize >= n {
+                return Err(err(format!("the device sampler returned token {id} of a {n}-token vocabulary")));
+            }
+            Ok(Some(id))
         }
 
         fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
+            self.program.check_params(p).map_err(err)?;
+            self.flush()?;
             self.write_params(p)?;
             if self.timestamps {
                 return Ok(crate::backend::summarize_profile(self.profile_timestamps()?));
@@ -1083,6 +1353,7 @@ mod imp {
         }
 
         fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError> {
+            self.flush()?;
             let d = self.program.buffers().get(buf.0 as usize).ok_or_else(|| err(format!("no buffer {}", buf.0)))?;
             if d.len != data.len() {
                 return Err(err(format!("buffer '{}' holds {} values, not {}", d.name, d.len, data.len())));
@@ -1101,6 +1372,7 @@ mod imp {
         }
 
         fn read_buffer(&mut self, buf: Buf) -> Result<Vec<f32>, BackendError> {
+            self.flush()?;
             let d = self.program.buffers().get(buf.0 as usize).ok_or_else(|| err(format!("no buffer {}", buf.0)))?;
             let raw = self.read_raw(&self.bufs[buf.0 as usize], d.len as u64 * 4)?;
             let words: Vec<u32> = raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
@@ -1111,6 +1383,7 @@ mod imp {
         }
 
         fn reset(&mut self) -> Result<(), BackendError> {
+            self.flush()?;
             for (d, b) in self.program.buffers().iter().zip(&self.bufs) {
                 let init = match d.kind {
                     BufKind::State { init } => init,
@@ -1131,10 +1404,12 @@ mod imp {
         }
 
         fn step_chunk(&mut self, params: &StepParams, tokens: &[u32]) -> Result<(), BackendError> {
+            self.flush()?;
             self.run_chunk(params, tokens)
         }
 
         fn read_chunk_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError> {
+            self.flush()?;
             let chunk = self.chunk.as_ref().ok_or_else(|| err("no chunk program is attached"))?;
             let lb = chunk.program.logits().0 as usize;
             let (buf, st) = (chunk.bufs[lb].as_ref().ok_or_else(|| err("the logits are state"))?, chunk.stride[lb]);
@@ -1289,6 +1564,95 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {
                 assert_eq!(c[5].to_bits(), s.to_bits(), "sqrt_rn({a:e})");
                 assert_eq!(c[2].to_bits(), q.to_bits(), "{a:e} / {b:e} from a guess moved {k} - 3 ulp");
                 assert_eq!(c[3].to_bits(), s.to_bits(), "sqrt {a:e} from a guess moved {k} - 3 ulp");
+            }
+        }
+
+        /// The device sampler's IEEE operations from integers (shaders/softfloat.wgsl) give the
+        /// CPU's bits for any operands: subnormals, zeros of both signs, infinities, NaN (whose
+        /// payload is not compared), overflow, underflow and the rounding to a subnormal.
+        #[test]
+        fn softfloat_division_product_and_difference_are_the_cpus() {
+            let body = format!(
+                "{}
+@group(0) @binding(2) var<storage, read_write> T: array<u32>;
+@compute @workgroup_size(64)
+fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    if (!guard()) {{
+        return;
+    }}
+    let i = 5u * gid.x;
+    if (i + 4u >= arrayLength(&T)) {{
+        return;
+    }}
+    let a = T[i];
+    let b = T[i + 1u];
+    T[i + 2u] = sf_div(a, b);
+    T[i + 3u] = sf_mul(a, b);
+    T[i + 4u] = sf_sub(a, b);
+}}
+",
+                include_str!("../../shaders/softfloat.wgsl")
+            );
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            let mut next = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 16) as u32
+            };
+            let special = [0u32, 0x8000_0000, 1, 0x8000_0001, 0x007f_ffff, 0x0080_0000, 0x3f80_0000, 0x7f7f_ffff];
+            let special2 = [0x7f80_0000u32, 0xff80_0000, 0x7fc0_0000, 0x0d80_0000, 0x0d7f_ffff, 0x3400_0000];
+            let operand = |next: &mut dyn FnMut() -> u32| -> u32 {
+                let r = next();
+                let sign = r & 0x8000_0000;
+                let m = next() & 0x7f_ffff;
+                match r % 8 {
+                    // Any magnitude.
+                    0 => r,
+                    // Subnormal.
+                    1 => sign | m,
+                    // Below 2^-100 (sf_sub's scaled path) or near the bottom of the normals.
+                    2 => sign | ((next() % 28) << 23) | m,
+                    // Near 1, where products and quotients of the extremes meet.
+                    3 => sign | ((110 + next() % 36) << 23) | m,
+                    // Large: overflow.
+                    4 => sign | ((200 + next() % 55) << 23) | m,
+                    5 => special[next() as usize % special.len()] | sign,
+                    6 => special2[next() as usize % special2.len()] | sign,
+                    _ => sign | ((1 + next() % 60) << 23) | m,
+                }
+            };
+            let n = 60000usize;
+            let mut data = vec![0f32; 5 * n];
+            let mut cases = Vec::with_capacity(n);
+            for c in data.chunks_exact_mut(5) {
+                let (a, b) = (operand(&mut next), operand(&mut next));
+                c[0] = f32::from_bits(a);
+                c[1] = f32::from_bits(b);
+                cases.push((a, b));
+            }
+            run_test_shader(&body, "check", &mut data);
+            let same = |got: f32, want: f32| got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+            for (c, &(a, b)) in data.chunks_exact(5).zip(&cases) {
+                let (x, y) = (f32::from_bits(a), f32::from_bits(b));
+                assert!(
+                    same(c[2], x / y),
+                    "sf_div({a:#010x}, {b:#010x}) = {:#010x}, want {:#010x}",
+                    c[2].to_bits(),
+                    (x / y).to_bits()
+                );
+                assert!(
+                    same(c[3], x * y),
+                    "sf_mul({a:#010x}, {b:#010x}) = {:#010x}, want {:#010x}",
+                    c[3].to_bits(),
+                    (x * y).to_bits()
+                );
+                assert!(
+                    same(c[4], x - y),
+                    "sf_sub({a:#010x}, {b:#010x}) = {:#010x}, want {:#010x}",
+                    c[4].to_bits(),
+                    (x - y).to_bits()
+                );
             }
         }
 

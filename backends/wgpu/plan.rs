@@ -38,9 +38,9 @@ pub enum Res {
     Grid,
     /// The RoPE table of `Plan::ropes[i]`.
     Rope(u32),
-    /// A 4-byte placeholder for a binding the op does not use (an optional input).
+    /// A 16-byte placeholder (one vec4) for a binding the op does not use (an optional input).
     Dummy,
-    /// A 4-byte placeholder for an optional output: read-write, so a separate buffer from
+    /// A 16-byte placeholder for an optional output: read-write, so a separate buffer from
     /// `Dummy` (wgpu refuses one buffer bound read-only and read-write in one dispatch).
     DummyOut,
 }
@@ -119,6 +119,13 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "moe_sum"
         | "moe_gate_up_rows"
         | "moe_down_rows" => "moe",
+        // The device sampler (after a token, not planned).
+        "sample_argmax_part"
+        | "sample_argmax_final"
+        | "sample_hist"
+        | "sample_pick"
+        | "sample_gather"
+        | "sample_final" => "sample",
         _ => return None,
     })
 }
@@ -861,6 +868,11 @@ impl Builder<'_> {
                 };
                 let ratio = if comp.is_some() { comp_ratio(comp_rows.kind)? } else { 0 };
                 let max_rows = raw_rows.cap + comp_rows.cap;
+                if head_dim % 4 != 0 || head_dim > 1024 {
+                    return Err(format!(
+                        "attention heads of {head_dim} dims: the shader needs a multiple of 4, at most 1024"
+                    ));
+                }
                 self.need(Scratch::Scores, (n_head * max_rows) as u64 * 4);
                 let args = vec![
                     head_dim,
