@@ -535,13 +535,39 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
     ds4_wait_predecessor();
     float scale;
+    // The streams this warp's chunk reads: `x` itself, or (the HC post fused in front) the
+    // post's outputs as this block computes them.
+    const float* xc = a.x + c;
+#if !DS4_CHUNK_ROWS
+    __shared__ __align__(16) float post_x[HC_PRE_WARPS][DS4_CHUNK];
+    __shared__ float post_ss[64];
+    if (a.post_block) {
+        // Every block computes the HC post of every chunk for the sums of squares (a warp per
+        // 512 positions of all four streams; block 0 also stores the streams and the Add's sum),
+        // then its warps their own chunk again into shared memory: the same values as hc_post's,
+        // so the same bits as the two launches.
+        const HcPostArgs pa = {a.post_block, a.post_block_b, a.post_sum, a.post_residual, a.post_split, (float*)a.x,
+                               nullptr,      a.n_embd,       4};
+        const u32 nd = a.n_embd / DS4_CHUNK;
+        for (u32 dr = warp; dr < nd; dr += HC_PRE_WARPS) {
+            float sq[4];
+            hc_post_range(pa, dr, lane, blockIdx.x == 0, sq);
+            if (lane == 0)
+                for (u32 dst = 0; dst < 4; dst++) post_ss[dst * nd + dr] = sq[dst];
+        }
+        if (live) hc_post_chunk(pa, c / DS4_CHUNK, lane, false, post_x[warp]);
+        __syncthreads();
+        scale = 1.0f / sqrtf(ordered_sum_lanes(post_ss, nc, lane) / (float)n + a.eps_flat);
+        xc = post_x[warp];
+    } else
+#endif
     if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
     else scale = rms_scale_block(a.x, n, a.eps_flat);
     if (live) {
-        const float s = warp_sum(chunk_dot_f16_scaled(chunk, a.x + c, scale, n - c, lane));
+        const float s = warp_sum(chunk_dot_f16_scaled(chunk, xc, scale, n - c, lane));
         if (lane == 0) a.partial[r * nc + c / DS4_CHUNK] = s;
         if (r == 0)
-            for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = a.x[c + i] * scale;
+            for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = xc[i] * scale;
     }
     __threadfence();
     __syncthreads();

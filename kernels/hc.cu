@@ -73,11 +73,13 @@ extern "C" __global__ void hc_weighted_sum(DS4_ARGS, HcWeightedSumArgs a) {
 // sum of squares, so with `ss` it also stores each 512-chunk's sum of squares of `out`, from which
 // the next hc_pre takes the RMS norm of the streams without reading them again. n % 4 == 0,
 // n_hc <= 4.
-extern "C" __global__ void hc_post(DS4_ARGS, HcPostArgs a) {
-    DS4_GUARD;
-    const u32 lane = threadIdx.x & 31, chunk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+// One warp's 512-output chunk of the HC post: lane l computes outputs chunk*512 + 128u + 4l + j
+// (the lanes of the canonical sum of squares), stores them to `out` (and the Add's sum) when
+// `store`, and to xs[128u + 4l + j] when xs is set. Returns the chunk's sum of squares (every
+// lane), 0 for a chunk past the outputs.
+__device__ __forceinline__ float hc_post_chunk(const HcPostArgs& a, u32 chunk, u32 lane, bool store, float* xs) {
     const u32 total = a.n * a.n_hc, c0 = chunk * DS4_CHUNK;
-    if (c0 >= total) return;
+    if (c0 >= total) return 0.0f;
     const float* post = a.split + a.n_hc;
     const float* comb = a.split + 2 * a.n_hc;
     // Every load first (out may not alias the inputs, but the compiler cannot know that).
@@ -100,7 +102,7 @@ extern "C" __global__ void hc_post(DS4_ARGS, HcPostArgs a) {
         float v[4] = {bl[u].x, bl[u].y, bl[u].z, bl[u].w};
         if (a.block_b) {
             v[0] = v[0] + bb[u].x, v[1] = v[1] + bb[u].y, v[2] = v[2] + bb[u].z, v[3] = v[3] + bb[u].w;
-            if (dst == 0) *(float4*)(a.sum_out + d) = make_float4(v[0], v[1], v[2], v[3]);
+            if (store && dst == 0) *(float4*)(a.sum_out + d) = make_float4(v[0], v[1], v[2], v[3]);
         }
         float o[4];
 #pragma unroll
@@ -114,12 +116,63 @@ extern "C" __global__ void hc_post(DS4_ARGS, HcPostArgs a) {
             o[j] = acc;
             sq += acc * acc;
         }
-        *(float4*)(a.out + i) = make_float4(o[0], o[1], o[2], o[3]);
+        if (store) *(float4*)(a.out + i) = make_float4(o[0], o[1], o[2], o[3]);
+        if (xs) *(float4*)(xs + u * 128 + lane * 4) = make_float4(o[0], o[1], o[2], o[3]);
     }
-    if (a.ss) {
-        sq = warp_sum(sq);
-        if (lane == 0) a.ss[chunk] = sq;
+    return warp_sum(sq);
+}
+
+// The HC post's outputs at positions dr*512 .. dr*512 + 511 of every stream, from one load of
+// the inputs they share (n a multiple of 512, so each is chunk dst * (n / 512) + dr of the
+// outputs): lane l holds positions 128u + 4l + j as hc_post_chunk does, and each value and each
+// chunk's sum of squares comes out exactly as there. Stores them (and the Add's sum) when
+// `store`; sq[dst] is chunk dst's sum of squares (every lane).
+__device__ __forceinline__ void hc_post_range(const HcPostArgs& a, u32 dr, u32 lane, bool store, float* sq) {
+    const float* post = a.split + a.n_hc;
+    const float* comb = a.split + 2 * a.n_hc;
+    // Each stream's sum adds its values in hc_post_chunk's order (u, then j) from +0.
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (u32 u = 0; u < 4; u++) {
+        const u32 d = dr * DS4_CHUNK + u * 128 + lane * 4;
+        const float4 bl = *(const float4*)(a.block + d);
+        const float4 bb = a.block_b ? *(const float4*)(a.block_b + d) : make_float4(0, 0, 0, 0);
+        float4 res[4];
+#pragma unroll
+        for (u32 src = 0; src < 4; src++)
+            res[src] = src < a.n_hc ? *(const float4*)(a.residual + src * a.n + d) : make_float4(0, 0, 0, 0);
+        float v[4] = {bl.x, bl.y, bl.z, bl.w};
+        if (a.block_b) {
+            v[0] = v[0] + bb.x, v[1] = v[1] + bb.y, v[2] = v[2] + bb.z, v[3] = v[3] + bb.w;
+            if (store) *(float4*)(a.sum_out + d) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+#pragma unroll
+        for (u32 dst = 0; dst < 4; dst++) {
+            if (dst >= a.n_hc) break;
+            float o[4];
+#pragma unroll
+            for (u32 j = 0; j < 4; j++) {
+                float acc = v[j] * post[dst];
+#pragma unroll
+                for (u32 src = 0; src < 4; src++) {
+                    const float r = j == 0 ? res[src].x : j == 1 ? res[src].y : j == 2 ? res[src].z : res[src].w;
+                    if (src < a.n_hc) acc += comb[dst + src * a.n_hc] * r;
+                }
+                o[j] = acc;
+                s[dst] += acc * acc;
+            }
+            if (store) *(float4*)(a.out + dst * a.n + d) = make_float4(o[0], o[1], o[2], o[3]);
+        }
     }
+#pragma unroll
+    for (u32 dst = 0; dst < 4; dst++) sq[dst] = warp_sum(s[dst]);
+}
+
+extern "C" __global__ void hc_post(DS4_ARGS, HcPostArgs a) {
+    DS4_GUARD;
+    const u32 lane = threadIdx.x & 31, chunk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float sq = hc_post_chunk(a, chunk, lane, true, nullptr);
+    if (a.ss && lane == 0 && chunk * DS4_CHUNK < a.n * a.n_hc) a.ss[chunk] = sq;
 }
 
 // w = sigmoid(pre*scale + base) + eps, no Sinkhorn.

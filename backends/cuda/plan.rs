@@ -252,6 +252,14 @@ struct Builder<'a> {
     /// The HC state whose chunk sums of squares the last launch (an hc_post) stored, and the
     /// launch count after it.
     ss_of: Option<(Buf, usize)>,
+    /// The last hc_post's arguments and the launch count after it: an hc_pre right after it
+    /// takes it in ([`Builder::try_hc_pre`]).
+    hc_post_of: Option<(HcPostArgs, usize)>,
+    /// Launches of earlier ops that the current op's launch took in (removed from the list).
+    taken_back: usize,
+    /// Whether a decode program's hc_pre runs the HC post before it (one launch fewer per
+    /// half-layer, but measured 1-2% slower on the H200: `DS4_CUDA_HC_POST=fused` turns it on).
+    hc_post_inside: bool,
     /// Whether routed experts go through the expert cache (kernels/expert_cache.cu).
     expert_cache: bool,
     /// MoE layers planned so far: the index of each layer's cache state.
@@ -852,6 +860,7 @@ impl<'a> Builder<'a> {
         if ss != Ptr::NULL {
             self.ss_of = Some((out, self.launches.len()));
         }
+        self.hc_post_of = Some((a, self.launches.len()));
         Ok(())
     }
 
@@ -1005,10 +1014,31 @@ impl<'a> Builder<'a> {
         // Two groups of blocks with a ticket each: the pre gates' rows, and the other rows.
         self.tickets += 2;
         let blocks_pre = blocks(4 * n_chunks as usize, HC_PRE_WARPS);
-        // The streams' sums of squares, if the hc_post launched just before stored them.
-        let ss = match self.ss_of {
+        // The streams' sums of squares, if the hc_post launched just before stored them; in a
+        // decode program that hc_post runs inside this launch instead (every block computes the
+        // streams and their sums of squares; block 0 stores them).
+        let mut ss = match self.ss_of {
             Some((buf, at)) if buf == x && at == self.launches.len() => Scratch::HcSumSq.ptr(),
             _ => Ptr::NULL,
+        };
+        let post = match self.hc_post_of {
+            Some((p, at))
+                if ss != Ptr::NULL
+                    && at == self.launches.len()
+                    && p.out == b(x)
+                    && p.n_hc == 4
+                    && p.n == n_embd
+                    && n_embd.is_multiple_of(numerics::CHUNK as u32)
+                    && self.program.rows() == 1
+                    && self.hc_post_inside =>
+            {
+                let l = self.launches.pop().expect("the hc_post launch");
+                self.group.extend(l.ops);
+                self.taken_back += 1;
+                ss = Ptr::NULL;
+                Some(p)
+            }
+            _ => None,
         };
         self.need(Scratch::Tickets, self.tickets as usize * 4);
         let (xq, xd) = if FUSE_NORM_Q8 && self.next_q8_input_after(norm, norm_op) {
@@ -1041,6 +1071,11 @@ impl<'a> Builder<'a> {
             xd,
             xk,
             ss,
+            post_block: post.map_or(Ptr::NULL, |p| p.block),
+            post_block_b: post.map_or(Ptr::NULL, |p| p.block_b),
+            post_sum: post.map_or(Ptr::NULL, |p| p.sum_out),
+            post_residual: post.map_or(Ptr::NULL, |p| p.residual),
+            post_split: post.map_or(Ptr::NULL, |p| p.split),
             hc_dim,
             mix_rows,
             n_chunks,
@@ -1609,6 +1644,18 @@ pub fn plan_experts(
     experts: ChunkExperts,
     down_tile: bool,
 ) -> Result<Plan, String> {
+    plan_with(program, fuse, expert_cache, experts, down_tile, env_is("DS4_CUDA_HC_POST", "fused"))
+}
+
+/// [`plan_experts`], with `hc_post_inside` ([`Builder::hc_post_inside`]) given.
+fn plan_with(
+    program: &Program,
+    fuse: bool,
+    expert_cache: bool,
+    experts: ChunkExperts,
+    down_tile: bool,
+    hc_post_inside: bool,
+) -> Result<Plan, String> {
     if program.rows() > 1 && expert_cache {
         return Err("a chunk program cannot run with the expert cache (placement host)".into());
     }
@@ -1629,6 +1676,9 @@ pub fn plan_experts(
         q8_of: None,
         q8k_of: None,
         ss_of: None,
+        hc_post_of: None,
+        taken_back: 0,
+        hc_post_inside,
         tickets: 0,
         split_attention: program.tokens().is_none() && split_attention(),
     };
@@ -1638,8 +1688,10 @@ pub fn plan_experts(
         }
         b.op = i;
         b.group = vec![i];
+        b.taken_back = 0;
         let first = b.launches.len();
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
+        let first = first - b.taken_back;
         let mut ops = b.group.clone();
         ops.sort_unstable();
         for l in &mut b.launches[first..] {
@@ -2183,10 +2235,10 @@ mod tests {
             Model::from_file(File::from_bytes("t", synth::build(&Preset::small(), 1)).unwrap()).unwrap(),
             synth::device_model(&Preset::flash_4l(), 1).unwrap(),
         ];
-        for model in models {
-            let program = record_token(&model, Caps { ctx: 256 }).unwrap();
+        for (model, hc_post_inside) in models.iter().flat_map(|m| [(m, false), (m, true)]) {
+            let program = record_token(model, Caps { ctx: 256 }).unwrap();
             let steps = program.steps();
-            let plan = plan(&program, true, false).unwrap();
+            let plan = plan_with(&program, true, false, ChunkExperts::Grouped, false, hc_post_inside).unwrap();
             // The position of each op's group in launch order.
             let mut at = vec![usize::MAX; steps.len()];
             let mut group = 0;
@@ -2249,6 +2301,17 @@ mod tests {
             assert_eq!(reads_ss(l), after_post, "hc_pre launch {i}");
             assert_eq!(after_post, i != fused.launches.iter().position(|l| l.kernel == "hc_pre").unwrap());
         }
+        // With the HC post inside hc_pre, every hc_pre but the first runs it instead: only the
+        // last, before the output head, is a launch of its own.
+        let inside = plan_with(&program, true, false, ChunkExperts::Grouped, false, true).unwrap();
+        let hc_pres: Vec<&Launch> = inside.launches.iter().filter(|l| l.kernel == "hc_pre").collect();
+        let takes_post = |l: &Launch| {
+            l.ops.iter().any(|&k| matches!(program.steps()[k].op, Op::HcPost { .. })) && !reads_ss(l) && l.args[16] != 0
+            // post_block
+        };
+        assert!(!takes_post(hc_pres[0]) && hc_pres[1..].iter().all(|l| takes_post(l)));
+        assert_eq!(count(&inside, "hc_post"), 1);
+        assert_eq!(inside.launches.len() + 2 * layers - 1, fused.launches.len());
         // The experts' input is quantized inside hc_pre, the mid vector inside gate/up.
         assert_eq!(count(&fused, "quantize_q8_k"), 0);
         // Only the indexer query's RoPE is left on its own.
