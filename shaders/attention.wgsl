@@ -19,6 +19,10 @@
 @group(0) @binding(6) var<storage, read> SINKS: array<f32>;
 @group(0) @binding(7) var<storage, read_write> OUT: array<f32>;
 @group(0) @binding(8) var<storage, read_write> SCORES: array<f32>;
+// Fused (plan.rs, attention_tail): the RoPE table, and the Q8_0 quantization of the output
+// (quantize_q8_0's layout: n / 4 words of quants, then the scales).
+@group(0) @binding(9) var<storage, read> TABLE: array<f32>;
+@group(0) @binding(10) var<storage, read_write> XQ: array<u32>;
 
 // 14 KiB of workgroup memory with lanes_shared.wgsl's 1 KiB (16 KiB is the portable limit).
 const ATT_WCAP: u32 = 1536u;
@@ -162,7 +166,9 @@ fn add_batch(acc: f32, d: u32, hd: u32, nb: u32) -> f32 {
 }
 
 // args: head_dim, window, raw_cap, ratio (0: no compressed rows), comp_cap, top_k, max_rows,
-// kq_scale, has_selected.
+// kq_scale, has_selected; then tail (0 or 1), n_rot, n: with tail, the head's output is rotated
+// back on its last n_rot dims at the current position and quantized to Q8_0 into XQ, every value
+// as rope_tail_q8 computes it (the n = n_head * head_dim outputs are its input).
 @compute @workgroup_size(256)
 fn attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
@@ -317,16 +323,63 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         workgroupBarrier();
     }
     let o0 = h * hd;
-    if (lid < hd) {
-        OUT[o0 + lid] = fmul(acc.x, inv);
+    if (arg(9u) == 0u) {
+        if (lid < hd) {
+            OUT[o0 + lid] = fmul(acc.x, inv);
+        }
+        if (lid + 256u < hd) {
+            OUT[o0 + lid + 256u] = fmul(acc.y, inv);
+        }
+        if (lid + 512u < hd) {
+            OUT[o0 + lid + 512u] = fmul(acc.z, inv);
+        }
+        if (lid + 768u < hd) {
+            OUT[o0 + lid + 768u] = fmul(acc.w, inv);
+        }
+        return;
     }
-    if (lid + 256u < hd) {
-        OUT[o0 + lid + 256u] = fmul(acc.y, inv);
+    // The tail: the head's outputs in workgroup memory, the RoPE's pairs read from there.
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let d = lid + 256u * k;
+        if (d < hd) {
+            att_part[d] = fmul(acc[k], inv);
+        }
     }
-    if (lid + 512u < hd) {
-        OUT[o0 + lid + 512u] = fmul(acc.z, inv);
-    }
-    if (lid + 768u < hd) {
-        OUT[o0 + lid + 768u] = fmul(acc.w, inv);
+    workgroupBarrier();
+    let n_rot = arg(10u);
+    let n = arg(11u);
+    let tail = hd - n_rot;
+    let pairs = n_rot / 2u;
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let d = lid + 256u * k;
+        if (256u * k >= hd) {
+            break;
+        }
+        var v = 0.0;
+        if (d < hd) {
+            v = att_part[d];
+            if (d >= tail) {
+                let t = (P.pos * pairs + (d - tail) / 2u) * 2u;
+                let c = TABLE[t];
+                let s = -TABLE[t + 1u];
+                let first = d - (d - tail) % 2u;
+                let x0 = att_part[first];
+                let x1 = att_part[first + 1u];
+                if ((d - tail) % 2u == 0u) {
+                    v = fsub(fmul(x0, c), fmul(x1, s));
+                } else {
+                    v = fadd(fmul(x0, s), fmul(x1, c));
+                }
+            }
+            OUT[o0 + d] = v;
+        }
+        let q = q8_block(v, lid);
+        let i = o0 + d;
+        if (d < hd && lid % 4u == 0u) {
+            XQ[i / 4u] = q.x;
+        }
+        if (d < hd && lid % 32u == 0u) {
+            XQ[n / 4u + i / 32u] = q.y;
+        }
     }
 }

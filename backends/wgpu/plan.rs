@@ -487,6 +487,41 @@ impl Builder<'_> {
         }
     }
 
+    /// At the attention: the inverse RoPE of the heads' tails that follows it, when the next op
+    /// to touch its output and a Q8_0 matvec then reads the rotated heads (wo_a): the attention
+    /// does both, as rope_tail_q8 would (kernels/attention.cu's tail). Absorbs the RoPE; returns
+    /// its table and n_rot.
+    fn attention_tail(&mut self, out: Buf, n_head: u32, head_dim: u32) -> Option<(u32, u32)> {
+        if !self.fuse || self.len(out) != (n_head * head_dim) as usize || !head_dim.is_multiple_of(32) {
+            return None;
+        }
+        let steps = self.program.steps();
+        let j = (self.op + 1..steps.len())
+            .filter(|&k| !self.done[k])
+            .take(6)
+            .find(|&k| steps[k].op.reads().contains(&out) || steps[k].op.writes().contains(&out))?;
+        let Op::RopeTail { x, n_head: nh, head_dim: hd, n_rot, rope, pos: RopePos::Current, inverse: true } =
+            steps[j].op
+        else {
+            return None;
+        };
+        if x != out || nh != n_head || hd != head_dim || n_rot > head_dim || !n_rot.is_multiple_of(2) {
+            return None;
+        }
+        if !self.can_join(&[j]) {
+            return None;
+        }
+        // Whether the rotated heads are quantized for a matvec, asked as if the RoPE were done.
+        self.done[j] = true;
+        let q8 = self.q8_read_later(out);
+        self.done[j] = false;
+        if !q8 {
+            return None;
+        }
+        self.absorb(j);
+        Some((self.rope_table(rope, n_rot), n_rot))
+    }
+
     /// The table index of a RoPE setting, added on first use.
     fn rope_table(&mut self, rope: RopeParams, n_rot: u32) -> u32 {
         match self.ropes.iter().position(|r| *r == (rope, n_rot)) {
@@ -886,6 +921,17 @@ impl Builder<'_> {
                     selected.is_some() as u32,
                 ];
                 let sinks = self.vector(sinks)?;
+                let mut args = args;
+                let (table, xq) = match self.attention_tail(out, n_head, head_dim) {
+                    Some((table, n_rot)) => {
+                        args.extend([1, n_rot, n_head * head_dim]);
+                        (Res::Rope(table), self.q8_scratch(out))
+                    }
+                    None => {
+                        args.extend([0, 0, 0]);
+                        (Res::Dummy, Res::DummyOut)
+                    }
+                };
                 let binds = vec![
                     (2, Res::Buf(q)),
                     (3, Res::Buf(raw)),
@@ -894,8 +940,13 @@ impl Builder<'_> {
                     (6, sinks),
                     (7, Res::Buf(out)),
                     (8, Res::Scratch(Scratch::Scores)),
+                    (9, table),
+                    (10, xq),
                 ];
                 self.push("attention", n_head, args, binds);
+                if xq != Res::DummyOut {
+                    self.q8_of.push((out, self.cond));
+                }
             }
             Op::RouterSelect { logits, bias, hash, selected, weights, n_used, scale } => {
                 let n_expert = self.len(logits) as u32;
@@ -1252,6 +1303,10 @@ mod tests {
                                 Some((b, 3))
                             }
                             ("swiglu", Some(Res::Scratch(Scratch::Q8(b)))) if d.args[2] == 1 => Some((b, 4)),
+                            ("attention", _) => match bind(d, 10) {
+                                Some(Res::Scratch(Scratch::Q8(b))) => Some((b, 7)),
+                                _ => None,
+                            },
                             ("rope_tail_q8", _) => match bind(d, 4) {
                                 Some(Res::Scratch(Scratch::Q8(b))) => Some((b, 2)),
                                 other => panic!("{name}: rope_tail_q8 into {other:?}"),
@@ -1286,7 +1341,7 @@ mod tests {
 
     /// Dispatches per flash-4l token (the number the H200's per-dispatch cost multiplies): the
     /// fused kernels appear and the count stays at or under what fusion reached (220 before it,
-    /// 143 after; 135 with the HC norms in `hc_pre_norm`, which is slower and not planned by default).
+    /// 139 after; 131 with the HC norms in `hc_pre_norm`, which is slower and not planned by default).
     #[test]
     fn flash_4l_dispatches_per_token() {
         let model = synth::device_model(&Preset::flash_4l(), 1).unwrap();
@@ -1312,12 +1367,13 @@ mod tests {
         assert_eq!(by["mat_vec_f16_split_norm"], 9);
         // Only the experts' mid vectors are quantized to Q8_K on their own.
         assert_eq!(by["quantize_q8_k"], 4);
-        assert_eq!(by["rope_tail_q8"], 4);
+        // The attention output's inverse RoPE and Q8_0 are the attention's own.
+        assert_eq!(by.get("rope_tail_q8"), None);
         // Left on their own: the compressed rows' and the indexer query's.
         assert_eq!(by["rope_tail"], 4);
         // The compressors' kv and score projections, one dispatch each pair.
         assert_eq!(by["mat_vec_f16_split"], 4 + 1 + 3);
         assert_eq!(by.get("store_raw"), None);
-        assert!(fused.dispatches.len() <= 143, "{} dispatches", fused.dispatches.len());
+        assert!(fused.dispatches.len() <= 139, "{} dispatches", fused.dispatches.len());
     }
 }
