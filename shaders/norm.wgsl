@@ -20,13 +20,21 @@
 @group(0) @binding(12) var<storage, read> HBASE: array<f32>;
 @group(0) @binding(13) var<storage, read_write> SPLIT: array<f32>;
 @group(0) @binding(14) var<storage, read_write> CUR: array<f32>;
+// kv_finish's row, its output and its norm's weight (rms_norm_kv: beside rms_norm's X, OUT, WV).
+@group(0) @binding(15) var<storage, read> KX: array<f32>;
+@group(0) @binding(16) var<storage, read_write> KOUT: array<f32>;
+@group(0) @binding(17) var<storage, read> KWV: array<f32>;
 
-// The row the norm reads (row_scale.wgsl and norm_slice read it only through this): X, or in
-// hc_pre_norm the weighted sum of the streams in X by the pre gates.
+// The row the norm reads (row_scale.wgsl and norm_slice read it only through this): X, in
+// hc_pre_norm the weighted sum of the streams in X by the pre gates, in kv_finish KX.
 var<private> from_streams: bool;
+var<private> from_kv: bool;
 fn row_x(i: u32) -> f32 {
     if (from_streams) {
         return stream_sum(i);
+    }
+    if (from_kv) {
+        return KX[i];
     }
     return X[i];
 }
@@ -201,7 +209,8 @@ fn norm_slice(group: u32, lid: u32, xo: u32, oo: u32) {
 // n_rot dims at the current position, the fp8 round trip of the other dims (64 per block), and
 // the row's f16 copy into ring row pos % raw_cap (CACHE). Each value as rms_norm, rope_tail,
 // fp8_round_trip and store_raw compute it; the RoPE and fp8 parts touch different dims, so
-// their order does not matter. One workgroup. args: n, eps, n_rot, raw_cap.
+// their order does not matter. One workgroup. args: n, eps, n_rot, raw_cap. Its row, output and
+// weight are KX, KOUT and KWV.
 var<workgroup> kv_row: array<f32, 1024>;
 // rms_norm's outputs of one step, for the RoPE of their pairs.
 var<workgroup> rope_v: array<f32, 256>;
@@ -211,16 +220,37 @@ fn kv_finish(@builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
         return;
     }
-    let n = arg(0u);
-    let n_rot = arg(2u);
-    let scale = row_scale(0u, n, argf(1u), lid);
+    kv_finish_row(lid, arg(0u), argf(1u), arg(2u), arg(3u));
+}
+
+// rms_norm's entry (args 0..9) with one more workgroup, whose index is arg 10, that runs
+// kv_finish with args 11..14: the query heads' norm and RoPE beside the KV row's (plan.rs,
+// kv_beside_norm), which read and write other buffers.
+@compute @workgroup_size(256)
+fn rms_norm_kv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let g = group_index(wid, nwg);
+    if (g == arg(10u)) {
+        kv_finish_row(lid, arg(11u), argf(12u), arg(13u), arg(14u));
+        return;
+    }
+    norm_slice(g, lid, 0u, 0u);
+}
+
+// Call in uniform control flow.
+fn kv_finish_row(lid: u32, n: u32, eps: f32, n_rot: u32, raw_cap: u32) {
+    from_kv = true;
+    let scale = row_scale(0u, n, eps, lid);
     for (var i = lid; i < n; i = i + 256u) {
-        kv_row[i] = fmul(fmul(X[i], scale), WV[i]);
+        kv_row[i] = fmul(fmul(KX[i], scale), KWV[i]);
     }
     workgroupBarrier();
     let tail = n - n_rot;
     let pairs = n_rot / 2u;
-    let ring = (P.pos % arg(3u)) * n;
+    let ring = (P.pos % raw_cap) * n;
     for (var i = lid; i < n; i = i + 256u) {
         var v: f32;
         if (i < tail) {
@@ -243,7 +273,7 @@ fn kv_finish(@builtin(local_invocation_index) lid: u32) {
                 v = fadd(fmul(x0, s), fmul(x1, c));
             }
         }
-        OUT[i] = v;
+        KOUT[i] = v;
         CACHE[ring + i] = round_f16(v);
     }
 }

@@ -25,6 +25,9 @@ pub enum Scratch {
     Scores,
 }
 
+/// A dispatch's bindings: (binding number, what is bound).
+type Binds = Vec<(u32, Res)>;
+
 /// What a binding of a dispatch is bound to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Res {
@@ -96,7 +99,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "mat_vec_f16_split"
         | "mat_vec_f32_split"
         | "mat_vec_f16_split_norm" => "matvec",
-        "rms_norm" | "kv_finish" | "hc_pre_norm" => "norm",
+        "rms_norm" | "rms_norm_kv" | "kv_finish" | "hc_pre_norm" => "norm",
         "swiglu" | "add" => "elementwise",
         "rope_tail" | "rope_tail_q8" => "rope",
         "embed_hc"
@@ -318,42 +321,94 @@ impl Builder<'_> {
                 .all(|i| set.iter().filter(|&&j| j > i).all(|&j| !conflict(i, j)))
     }
 
-    /// At the KV row's norm: the RoPE of its tail, its fp8 round trip and its store into the
-    /// raw ring that follow (other ops may come between: the query's RoPE) fuse into one
-    /// `kv_finish`. Returns whether it did.
-    fn try_kv_finish(&mut self, x: Buf, weight: Res, out: Buf, n: u32, eps: f32) -> bool {
+    /// The ops after the KV row's norm (op `at`, `x` into `out`, `n` values) that `kv_finish`
+    /// computes with it: the RoPE of its tail, its fp8 round trip and its store into the raw
+    /// ring (other ops may come between: the query's RoPE). ([rope, fp8, store], the RoPE's
+    /// setting, n_rot, the ring, its rows.)
+    fn kv_finish_ops(&self, at: usize, x: Buf, out: Buf, n: u32) -> Option<([usize; 3], RopeParams, u32, Buf, u32)> {
         let steps = self.program.steps();
-        let ahead: Vec<usize> = (self.op + 1..steps.len()).filter(|&k| !self.done[k]).take(6).collect();
+        let ahead: Vec<usize> = (at + 1..steps.len()).filter(|&k| !self.done[k]).take(6).collect();
         let find = |f: &dyn Fn(&Op) -> bool| ahead.iter().copied().find(|&k| f(&steps[k].op));
-        let rope = find(&|op| {
+        let j1 = find(&|op| {
             matches!(*op, Op::RopeTail { x: rx, n_head: 1, head_dim, pos: RopePos::Current, inverse: false, .. }
                 if rx == out && head_dim == n)
-        });
-        let Some(j1) = rope else { return false };
-        let Op::RopeTail { n_rot, rope, .. } = steps[j1].op else { return false };
-        let fp8 = find(
+        })?;
+        let Op::RopeTail { n_rot, rope, .. } = steps[j1].op else { return None };
+        let j2 = find(
             &|op| matches!(*op, Op::Fp8RoundTrip { x: fx, head_dim, n_rot: r } if fx == out && head_dim == n && r == n_rot),
-        );
-        let store = find(&|op| matches!(*op, Op::StoreRaw { kv, row_dim, .. } if kv == out && row_dim == n));
-        let (Some(j2), Some(j3)) = (fp8, store) else { return false };
-        let Op::StoreRaw { cache, raw_cap, .. } = steps[j3].op else { return false };
+        )?;
+        let j3 = find(&|op| matches!(*op, Op::StoreRaw { kv, row_dim, .. } if kv == out && row_dim == n))?;
+        let Op::StoreRaw { cache, raw_cap, .. } = steps[j3].op else { return None };
         let shape_ok = n <= 1024
             && n_rot <= n
             && n_rot.is_multiple_of(2)
             && (n - n_rot).is_multiple_of(64)
             && x != out
             && cache != out;
-        if !(shape_ok && j1 < j2 && j2 < j3 && self.can_join(&[j1, j2, j3])) {
+        (shape_ok && j1 < j2 && j2 < j3).then_some(([j1, j2, j3], rope, n_rot, cache, raw_cap))
+    }
+
+    /// At the KV row's norm: what follows it in `kv_finish_ops` fuses into one `kv_finish`.
+    /// Returns whether it did.
+    fn try_kv_finish(&mut self, x: Buf, weight: Res, out: Buf, n: u32, eps: f32) -> bool {
+        let Some((js, rope, n_rot, cache, raw_cap)) = self.kv_finish_ops(self.op, x, out, n) else { return false };
+        if !self.can_join(&js) {
             return false;
         }
-        for j in [j1, j2, j3] {
+        for j in js {
             self.absorb(j);
         }
         let table = self.rope_table(rope, n_rot);
-        let binds =
-            vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, weight), (6, Res::Rope(table)), (7, Res::Buf(cache))];
+        // 2: the norm's row, which the row reader names (unread here).
+        let binds = vec![
+            (2, Res::Dummy),
+            (15, Res::Buf(x)),
+            (16, Res::Buf(out)),
+            (17, weight),
+            (6, Res::Rope(table)),
+            (7, Res::Buf(cache)),
+        ];
         self.push("kv_finish", 1, vec![n, eps.to_bits(), n_rot, raw_cap], binds);
         true
+    }
+
+    /// At the query heads' norm and RoPE (rotated with RoPE table `table`): a KV row's norm a
+    /// few ops ahead and what `kv_finish` fuses with it join the dispatch as its last
+    /// workgroup (`rms_norm_kv`), where they may run now, beside the heads' norm (they share no
+    /// buffer with it) and with the same RoPE table. Returns the KV part's args (n, eps, n_rot,
+    /// raw_cap) and bindings.
+    fn kv_beside_norm(&mut self, table: u32) -> Result<Option<(Vec<u32>, Binds)>, String> {
+        if !self.fuse {
+            return Ok(None);
+        }
+        let steps = self.program.steps();
+        let found = (self.op + 1..steps.len())
+            .filter(|&k| !self.done[k])
+            .take(6)
+            .find(|&k| matches!(steps[k].op, Op::RmsNorm { weight: Some(_), rows: 1, .. }));
+        let Some(k) = found else { return Ok(None) };
+        let Op::RmsNorm { x, weight: Some(w), out, n, rows: 1, eps } = steps[k].op else { return Ok(None) };
+        let Some((js, rope, n_rot, cache, raw_cap)) = self.kv_finish_ops(k, x, out, n) else { return Ok(None) };
+        let same_table = self.ropes.iter().position(|r| *r == (rope, n_rot)) == Some(table as usize);
+        let set = [k, js[0], js[1], js[2]];
+        // Workgroups of one dispatch run together: nothing the heads' ops touch may be touched.
+        let mine: Vec<usize> = std::iter::once(self.op).chain(self.absorbed.iter().copied()).collect();
+        let independent = mine.iter().all(|&i| {
+            set.iter().all(|&j| {
+                let (ri, wi, rj, wj) =
+                    (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
+                !wi.iter().any(|b| rj.contains(b) || wj.contains(b)) && !ri.iter().any(|b| wj.contains(b))
+            })
+        });
+        if !(same_table && independent && self.can_join(&set)) {
+            return Ok(None);
+        }
+        let wv = self.vector(w)?;
+        for j in set {
+            self.absorb(j);
+        }
+        let binds = vec![(15, Res::Buf(x)), (16, Res::Buf(out)), (17, wv), (7, Res::Buf(cache))];
+        Ok(Some((vec![n, eps.to_bits(), n_rot, raw_cap], binds)))
     }
 
     /// At a norm without weight whose output the next op multiplies by a split-K F16 matrix (the
@@ -447,6 +502,7 @@ impl Builder<'_> {
             (12, base),
             (13, Res::Buf(split)),
             (14, Res::Buf(cur)),
+            (15, Res::Dummy),
         ];
         let args =
             vec![n, eps.to_bits(), 1, slices, per, slices, q8 as u32, q8k as u32, 0, 0, n_hc, iters, eps_hc.to_bits()];
@@ -743,6 +799,11 @@ impl Builder<'_> {
                     }
                     None => ([0, 0], Res::Dummy),
                 };
+                // The query heads' norm: the KV row's norm and finish may run beside it.
+                let kv = match table {
+                    Res::Rope(t) if rows > 1 => self.kv_beside_norm(t)?,
+                    _ => None,
+                };
                 let q8 = rows == 1 && self.q8_read_later(out);
                 let xq = if q8 { self.q8_scratch(out) } else { Res::DummyOut };
                 // One row the routed experts read: the norm writes its Q8_K blocks too.
@@ -754,16 +815,27 @@ impl Builder<'_> {
                     }
                     false => Res::DummyOut,
                 };
-                let binds = vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, wv), (5, xq), (6, table), (9, xk)];
+                // 15: kv_finish's row, which the norm's row reader names (unread here).
+                let mut binds =
+                    vec![(2, Res::Buf(x)), (3, Res::Buf(out)), (4, wv), (5, xq), (6, table), (9, xk), (15, Res::Dummy)];
                 let flags = [q8 as u32, q8k as u32, rope_args[0], rope_args[1]];
                 let args =
                     [vec![n, eps.to_bits(), weight.is_some() as u32, slices, per, rows * slices], flags.to_vec()];
-                let args = args.concat();
+                let mut args = args.concat();
                 if q8 {
                     self.q8_of.push((out, self.cond));
                 }
                 if q8k {
                     self.q8k_of = Some((out, self.cond));
+                }
+                if let Some((kv_args, kv_binds)) = kv {
+                    // The KV row's workgroup after the heads' (args 10: its index, 11..14: kv_finish's).
+                    args.push(rows * slices);
+                    args.extend(kv_args);
+                    binds.retain(|(k, _)| kv_binds.iter().all(|(k2, _)| k2 != k));
+                    binds.extend(kv_binds);
+                    self.push("rms_norm_kv", rows * slices + 1, args, binds);
+                    return Ok(());
                 }
                 self.push("rms_norm", rows * slices, args, binds);
             }
@@ -1341,7 +1413,7 @@ mod tests {
 
     /// Dispatches per flash-4l token (the number the H200's per-dispatch cost multiplies): the
     /// fused kernels appear and the count stays at or under what fusion reached (220 before it,
-    /// 139 after; 131 with the HC norms in `hc_pre_norm`, which is slower and not planned by default).
+    /// 135 after; 127 with the HC norms in `hc_pre_norm`, which is slower and not planned by default).
     #[test]
     fn flash_4l_dispatches_per_token() {
         let model = synth::device_model(&Preset::flash_4l(), 1).unwrap();
@@ -1363,7 +1435,9 @@ mod tests {
         assert_eq!(by.get("hc_pre_norm"), None);
         assert_eq!(by.get("add"), None);
         assert_eq!(by["mat_vec_q8_0_pair"], 8);
-        assert_eq!(by["kv_finish"], 4);
+        // The KV row's norm and finish run beside the query heads' norm.
+        assert_eq!(by.get("kv_finish"), None);
+        assert_eq!(by["rms_norm_kv"], 4);
         assert_eq!(by["mat_vec_f16_split_norm"], 9);
         // Only the experts' mid vectors are quantized to Q8_K on their own.
         assert_eq!(by["quantize_q8_k"], 4);
@@ -1374,6 +1448,6 @@ mod tests {
         // The compressors' kv and score projections, one dispatch each pair.
         assert_eq!(by["mat_vec_f16_split"], 4 + 1 + 3);
         assert_eq!(by.get("store_raw"), None);
-        assert!(fused.dispatches.len() <= 139, "{} dispatches", fused.dispatches.len());
+        assert!(fused.dispatches.len() <= 135, "{} dispatches", fused.dispatches.len());
     }
 }
