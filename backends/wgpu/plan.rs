@@ -304,21 +304,31 @@ impl Builder<'_> {
             !w2.iter().any(|b| r.contains(b) || w.contains(b)) && !r2.iter().any(|b| w.contains(b))
         })
     }
+    /// Whether ops `i` and `j` may not change places: one writes what the other reads or writes.
+    fn conflict(&self, i: usize, j: usize) -> bool {
+        let steps = self.program.steps();
+        let (ri, wi, rj, wj) = (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
+        wi.iter().any(|b| rj.contains(b) || wj.contains(b)) || ri.iter().any(|b| wj.contains(b))
+    }
+    /// The ops after op `at` that no dispatch computed yet, as far as the fusions look (six).
+    fn ahead(&self, at: usize) -> impl Iterator<Item = usize> + '_ {
+        (at + 1..self.program.steps().len()).filter(|&k| !self.done[k]).take(6)
+    }
+    /// The next op to read or write `buf`, among those [`Self::ahead`] of the current one.
+    fn next_touching(&self, buf: Buf) -> Option<usize> {
+        let steps = self.program.steps();
+        self.ahead(self.op).find(|&k| steps[k].op.reads().contains(&buf) || steps[k].op.writes().contains(&buf))
+    }
     /// Whether ops `set` (later ops, ascending) may run now, in the current op's dispatch: they
     /// have its predicate, and no op between that stays behind conflicts with one that moves
     /// ahead of it.
     fn can_join(&self, set: &[usize]) -> bool {
         let steps = self.program.steps();
-        let conflict = |i: usize, j: usize| {
-            let (ri, wi, rj, wj) =
-                (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
-            wi.iter().any(|b| rj.contains(b) || wj.contains(b)) || ri.iter().any(|b| wj.contains(b))
-        };
         let last = set.last().copied().unwrap_or(self.op);
         set.iter().all(|&j| !self.done[j] && pack_cond(steps[j].cond) == self.cond)
             && (self.op + 1..last)
                 .filter(|i| !self.done[*i] && !set.contains(i))
-                .all(|i| set.iter().filter(|&&j| j > i).all(|&j| !conflict(i, j)))
+                .all(|i| set.iter().filter(|&&j| j > i).all(|&j| !self.conflict(i, j)))
     }
 
     /// The ops after the KV row's norm (op `at`, `x` into `out`, `n` values) that `kv_finish`
@@ -327,7 +337,7 @@ impl Builder<'_> {
     /// setting, n_rot, the ring, its rows.)
     fn kv_finish_ops(&self, at: usize, x: Buf, out: Buf, n: u32) -> Option<([usize; 3], RopeParams, u32, Buf, u32)> {
         let steps = self.program.steps();
-        let ahead: Vec<usize> = (at + 1..steps.len()).filter(|&k| !self.done[k]).take(6).collect();
+        let ahead: Vec<usize> = self.ahead(at).collect();
         let find = |f: &dyn Fn(&Op) -> bool| ahead.iter().copied().find(|&k| f(&steps[k].op));
         let j1 = find(&|op| {
             matches!(*op, Op::RopeTail { x: rx, n_head: 1, head_dim, pos: RopePos::Current, inverse: false, .. }
@@ -382,10 +392,7 @@ impl Builder<'_> {
             return Ok(None);
         }
         let steps = self.program.steps();
-        let found = (self.op + 1..steps.len())
-            .filter(|&k| !self.done[k])
-            .take(6)
-            .find(|&k| matches!(steps[k].op, Op::RmsNorm { weight: Some(_), rows: 1, .. }));
+        let found = self.ahead(self.op).find(|&k| matches!(steps[k].op, Op::RmsNorm { weight: Some(_), rows: 1, .. }));
         let Some(k) = found else { return Ok(None) };
         let Op::RmsNorm { x, weight: Some(w), out, n, rows: 1, eps } = steps[k].op else { return Ok(None) };
         let Some((js, rope, n_rot, cache, raw_cap)) = self.kv_finish_ops(k, x, out, n) else { return Ok(None) };
@@ -393,13 +400,7 @@ impl Builder<'_> {
         let set = [k, js[0], js[1], js[2]];
         // Workgroups of one dispatch run together: nothing the heads' ops touch may be touched.
         let mine: Vec<usize> = std::iter::once(self.op).chain(self.absorbed.iter().copied()).collect();
-        let independent = mine.iter().all(|&i| {
-            set.iter().all(|&j| {
-                let (ri, wi, rj, wj) =
-                    (steps[i].op.reads(), steps[i].op.writes(), steps[j].op.reads(), steps[j].op.writes());
-                !wi.iter().any(|b| rj.contains(b) || wj.contains(b)) && !ri.iter().any(|b| wj.contains(b))
-            })
-        });
+        let independent = mine.iter().all(|&i| set.iter().all(|&j| !self.conflict(i, j)));
         if !(same_table && independent && self.can_join(&set)) {
             return Ok(None);
         }
@@ -524,10 +525,7 @@ impl Builder<'_> {
             return None;
         }
         let steps = self.program.steps();
-        let j = (self.op + 1..steps.len())
-            .filter(|&k| !self.done[k])
-            .take(6)
-            .find(|&k| steps[k].op.reads().contains(&out) || steps[k].op.writes().contains(&out))?;
+        let j = self.next_touching(out)?;
         match steps[j].op {
             Op::RopeTail { x, n_head, head_dim, n_rot, rope, pos: RopePos::Current, inverse: false }
                 if x == out
@@ -552,10 +550,7 @@ impl Builder<'_> {
             return None;
         }
         let steps = self.program.steps();
-        let j = (self.op + 1..steps.len())
-            .filter(|&k| !self.done[k])
-            .take(6)
-            .find(|&k| steps[k].op.reads().contains(&out) || steps[k].op.writes().contains(&out))?;
+        let j = self.next_touching(out)?;
         let Op::RopeTail { x, n_head: nh, head_dim: hd, n_rot, rope, pos: RopePos::Current, inverse: true } =
             steps[j].op
         else {
