@@ -348,9 +348,14 @@ struct BenchArgs {
     /// Decode tokens to time (at least 1).
     #[arg(short = 'n', long, default_value_t = 64, value_parser = at_least_one)]
     tokens: usize,
-    /// Also time one more token op by op (kernel by kernel on GPUs) and print the slowest.
+    /// Also time one more token op by op (kernel by kernel on GPUs) and print every family, slowest first.
     #[arg(long)]
     profile: bool,
+    /// Untimed passes (the same prefill and decode, then a reset) for at least this many
+    /// milliseconds before the timed one: an idle GPU runs at its lowest clock and takes a few
+    /// hundred ms to reach its highest (H200: 345 -> 1980 MHz), so a cold decode measures the ramp.
+    #[arg(long, default_value_t = 1000)]
+    warmup_ms: u64,
 }
 
 fn main() {
@@ -992,6 +997,18 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     // Greedy, as `ds4 run` decodes: sampled on the device where the backend can, so a GPU token
     // sends back its 4-byte id, not the logits.
     let mut greedy = ds4::sample::Sampler::new(SamplerConfig::default());
+    let warm = Instant::now();
+    let mut passes = 0;
+    while a.warmup_ms > 0 && (passes == 0 || warm.elapsed().as_millis() < a.warmup_ms as u128) {
+        session.feed(&prompt, |_| {})?;
+        let mut next = session.sample(&mut greedy)?;
+        for _ in 0..a.tokens {
+            next = session.eval_sampled(next, &mut greedy)?;
+        }
+        session.reset()?;
+        passes += 1;
+    }
+    let warm_time = warm.elapsed();
     let t0 = Instant::now();
     session.feed(&prompt, |_| {})?;
     let mut next = session.sample(&mut greedy)?;
@@ -1014,6 +1031,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     out!("model      {}", loaded.source);
     out!("backend    {backend_label}");
     out!("load       {:.3} s", load_time.as_secs_f64());
+    if passes > 0 {
+        out!("warm-up    {passes} untimed passes of prefill and decode in {:.2} s", warm_time.as_secs_f64());
+    }
     out!(
         "prefill    {} tokens in chunks of {}, {:.1} tok/s",
         prompt.len(),
@@ -1075,7 +1095,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         let prof = session.executable().profile(&params)?;
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
         out!("profile    one token, eager, {:.1} us in total:", total);
-        for (name, t) in prof.iter().take(12) {
+        for (name, t) in &prof {
             out!("  {name:36} {t:10.1} us  {:5.1}%", 100.0 * t / total.max(1e-9));
         }
         // One more prefill chunk where the prompt and decode left off (its rows' KV writes are the

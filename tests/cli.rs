@@ -119,8 +119,10 @@ fn errors_are_one_line_with_the_reason() {
 #[test]
 fn bench_reports_decode_speed() {
     let model = golden("tiny-a/model.gguf");
-    let out = ok(&ds4(&["bench", "--backend", "cpu", "-m", model.to_str().unwrap(), "--prefill", "4", "-n", "4"]));
+    let m = model.to_str().unwrap();
+    let out = ok(&ds4(&["bench", "--backend", "cpu", "-m", m, "--prefill", "4", "-n", "4", "--warmup-ms", "50"]));
     assert!(out.contains("decode     4 tokens") && out.contains("tok/s"), "{out}");
+    assert!(out.contains("warm-up    ") && out.contains("untimed passes"), "{out}");
     assert!(out.contains("prefill    4 tokens in chunks of 64,"), "the cpu prefills in chunks: {out}");
 }
 
