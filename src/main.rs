@@ -352,8 +352,9 @@ struct BenchArgs {
     #[arg(long)]
     profile: bool,
     /// Untimed passes (the same prefill and decode, then a reset) for at least this many
-    /// milliseconds before the timed one: an idle GPU runs at its lowest clock and takes a few
-    /// hundred ms to reach its highest (H200: 345 -> 1980 MHz), so a cold decode measures the ramp.
+    /// milliseconds before the timed one, and on until two passes' decode times agree within 3%
+    /// (at most ten times as long): an idle GPU runs at its lowest clock and takes up to a second
+    /// to reach its highest (H200: 345 -> 1980 MHz), so a cold decode measures the ramp.
     #[arg(long, default_value_t = 1000)]
     warmup_ms: u64,
 }
@@ -997,14 +998,22 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     // Greedy, as `ds4 run` decodes: sampled on the device where the backend can, so a GPU token
     // sends back its 4-byte id, not the logits.
     let mut greedy = ds4::sample::Sampler::new(SamplerConfig::default());
+    // Warm-up passes until --warmup-ms has passed and the decode time of the last pass is within
+    // 3% of the one before (a GPU can stay on its ramp for more than half a second), or for ten
+    // times --warmup-ms at most.
     let warm = Instant::now();
-    let mut passes = 0;
-    while a.warmup_ms > 0 && (passes == 0 || warm.elapsed().as_millis() < a.warmup_ms as u128) {
+    let (min_warm, max_warm) = (Duration::from_millis(a.warmup_ms), Duration::from_millis(a.warmup_ms * 10));
+    let (mut passes, mut settled, mut last) = (0, false, None::<Duration>);
+    while a.warmup_ms > 0 && warm.elapsed() < max_warm && (passes == 0 || !settled || warm.elapsed() < min_warm) {
         session.feed(&prompt, |_| {})?;
         let mut next = session.sample(&mut greedy)?;
+        let t = Instant::now();
         for _ in 0..a.tokens {
             next = session.eval_sampled(next, &mut greedy)?;
         }
+        let took = t.elapsed();
+        settled = last.is_some_and(|l| took.abs_diff(l) * 100 <= l * 3);
+        last = Some(took);
         session.reset()?;
         passes += 1;
     }
@@ -1032,7 +1041,15 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     out!("backend    {backend_label}");
     out!("load       {:.3} s", load_time.as_secs_f64());
     if passes > 0 {
-        out!("warm-up    {passes} untimed passes of prefill and decode in {:.2} s", warm_time.as_secs_f64());
+        out!(
+            "warm-up    {passes} untimed passes of prefill and decode in {:.2} s{}",
+            warm_time.as_secs_f64(),
+            if settled {
+                ""
+            } else {
+                " (the decode time had not settled to within 3%: the timed pass may still be on the clock ramp)"
+            }
+        );
     }
     out!(
         "prefill    {} tokens in chunks of {}, {:.1} tok/s",
