@@ -482,6 +482,111 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
 }
 
+// block_term of two Q2_K blocks (bi0, bi1: the same block of two rows) against one activation
+// block, which is read once for both: each row's term as block_term computes it.
+fn q2k_block_terms2(t: u32, bi0: u32, bi1: u32, nblk: u32, a: u32, nb: u32, b: u32) -> vec2<f32> {
+    let yd = qd(a, nb, b);
+    let ab = 16u * b;
+    let p0 = wvec(t, 4u * bi0);
+    let p1 = wvec(t, 4u * bi0 + 1u);
+    let p2 = wvec(t, 4u * bi0 + 2u);
+    let p3 = wvec(t, 4u * bi0 + 3u);
+    let q0 = wvec(t, 4u * bi1);
+    let q1 = wvec(t, 4u * bi1 + 1u);
+    let q2 = wvec(t, 4u * bi1 + 2u);
+    let q3 = wvec(t, 4u * bi1 + 3u);
+    let r0 = 16u * nblk + 5u * bi0;
+    let r1 = 16u * nblk + 5u * bi1;
+    let sc0 = vec4<u32>(wword(t, r0), wword(t, r0 + 1u), wword(t, r0 + 2u), wword(t, r0 + 3u));
+    let sc1 = vec4<u32>(wword(t, r1), wword(t, r1 + 1u), wword(t, r1 + 2u), wword(t, r1 + 3u));
+    let dd0 = wword(t, r0 + 4u);
+    let dd1 = wword(t, r1 + 4u);
+    var isum0 = 0;
+    var isum1 = 0;
+    for (var half = 0u; half < 2u; half = half + 1u) {
+        let pl = select(p0, p2, half == 1u);
+        let ph = select(p1, p3, half == 1u);
+        let ql = select(q0, q2, half == 1u);
+        let qh = select(q1, q3, half == 1u);
+        for (var j = 0u; j < 4u; j = j + 1u) {
+            let sh = vec4<u32>(2u * j);
+            let m = vec4<u32>(0x03030303u);
+            let k = ab + 8u * half + 2u * j;
+            let x0 = avec(a, k);
+            let x1 = avec(a, k + 1u);
+            let s = 8u * half + 2u * j;
+            let al = (pl >> sh) & m;
+            let ah = (ph >> sh) & m;
+            let lo0 = dot4I8Packed(al.x, x0.x) + dot4I8Packed(al.y, x0.y) + dot4I8Packed(al.z, x0.z) + dot4I8Packed(al.w, x0.w);
+            let hi0 = dot4I8Packed(ah.x, x1.x) + dot4I8Packed(ah.y, x1.y) + dot4I8Packed(ah.z, x1.z) + dot4I8Packed(ah.w, x1.w);
+            isum0 = isum0 + i32(vbyte(sc0, s) & 15u) * lo0 + i32(vbyte(sc0, s + 1u) & 15u) * hi0;
+            let bl = (ql >> sh) & m;
+            let bh = (qh >> sh) & m;
+            let lo1 = dot4I8Packed(bl.x, x0.x) + dot4I8Packed(bl.y, x0.y) + dot4I8Packed(bl.z, x0.z) + dot4I8Packed(bl.w, x0.w);
+            let hi1 = dot4I8Packed(bh.x, x1.x) + dot4I8Packed(bh.y, x1.y) + dot4I8Packed(bh.z, x1.z) + dot4I8Packed(bh.w, x1.w);
+            isum1 = isum1 + i32(vbyte(sc1, s) & 15u) * lo1 + i32(vbyte(sc1, s + 1u) & 15u) * hi1;
+        }
+    }
+    var summs0 = 0;
+    var summs1 = 0;
+    for (var k = 0u; k < 16u; k = k + 1u) {
+        let bs = qbsum(a, nb, b, k);
+        summs0 = summs0 + i32(vbyte(sc0, k) >> 4u) * bs;
+        summs1 = summs1 + i32(vbyte(sc1, k) >> 4u) * bs;
+    }
+    let t0 = fsub(fmul(fmul(yd, h2f(dd0 & 0xffffu)), f32(isum0)), fmul(fmul(yd, h2f(dd0 >> 16u)), f32(summs0)));
+    let t1 = fsub(fmul(fmul(yd, h2f(dd1 & 0xffffu)), f32(isum1)), fmul(fmul(yd, h2f(dd1 >> 16u)), f32(summs1)));
+    return vec2<f32>(t0, t1);
+}
+
+// moe_down for Q2_K down tensors, two rows of one slot per `width` lanes (out_dim even): the two
+// rows' blocks against one read of the slot's activation block; each row's sum as row_dot adds
+// it. args as moe_down.
+@compute @workgroup_size(256)
+fn moe_down_q2_k_pairs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let ff = arg(4u);
+    let out_dim = arg(5u);
+    let n_used = arg(6u);
+    let e0 = arg(7u);
+    let e1 = arg(8u);
+    let width = arg(12u);
+    let pair = group_index(wid, nwg) * (256u / width) + lid / width;
+    let it = min(2u * pair, n_used * out_dim - 2u);
+    let slot = it / out_dim;
+    let r = it % out_dim;
+    let e = u32(max(SELECTED[slot], 0));
+    let mine = 2u * pair < n_used * out_dim && e >= e0 && e < e1;
+    let el = select(0u, e - e0, e >= e0 && e < e1);
+    let nbm = ff / 256u;
+    let nblk = (e1 - e0) * out_dim * nbm;
+    let bi0 = (el * out_dim + r) * nbm;
+    let nb = arg(10u);
+    let b0 = slot * nbm;
+    let lane = lid % width;
+    var t0 = zero();
+    var t1 = zero();
+    for (var c = 0u; c < nbm; c = c + 32u) {
+        var a0 = zero();
+        var a1 = zero();
+        let b = c + lane;
+        if (b < nbm) {
+            let terms = q2k_block_terms2(2u, bi0 + b, bi0 + nbm + b, nblk, 1u, nb, b0 + b);
+            a0 = fadd(a0, terms.x);
+            a1 = fadd(a1, terms.y);
+        }
+        t0 = fadd(t0, lane_sum_w(a0, lid, width));
+        t1 = fadd(t1, lane_sum_w(a1, lid, width));
+    }
+    if (mine && lane == 0u) {
+        F1[it] = t0;
+        F1[it + 1u] = t1;
+    }
+}
+
 // args: out_dim, n_used. out (F0)[r] = sum over slots, in order from +0, of partial (F1)[slot][r].
 @compute @workgroup_size(256)
 fn moe_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -119,6 +119,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "moe_gate_up"
         | "moe_gate_up_iq2_xxs"
         | "moe_down"
+        | "moe_down_q2_k_pairs"
         | "moe_sum"
         | "moe_gate_up_rows"
         | "moe_down_rows" => "moe",
@@ -201,6 +202,9 @@ struct Builder<'a> {
     /// runs the Sinkhorn on 256 invocations with a barrier per step), not
     /// `hc_split_weighted_sum_lanes` (only workgroup 0 runs it, on 32 lanes). Same bits.
     hc_split_old: bool,
+    /// Q2_K down projections two rows to a lane group (`moe_down_q2_k_pairs`, one read of the
+    /// activation block for both); `DS4_WGPU_MOE_DOWN=single` keeps one row (`moe_down`).
+    moe_down_pairs: bool,
 }
 
 impl Builder<'_> {
@@ -1126,6 +1130,10 @@ impl Builder<'_> {
                     binds.extend(q8k);
                     match self.rows {
                         true => self.push("moe_down_rows", groups((n_used * out_dim) as usize, 64), args, binds),
+                        false if self.moe_down_pairs && dt.ty == GgmlType::Q2_K && out_dim % 2 == 0 => {
+                            let per = 2 * (256 / w_down as usize);
+                            self.push("moe_down_q2_k_pairs", groups((n_used * out_dim) as usize, per), args, binds)
+                        }
                         false => {
                             let per = 256 / w_down as usize;
                             self.push("moe_down", groups((n_used * out_dim) as usize, per), args, binds)
@@ -1208,6 +1216,7 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Resu
         hc_pre_norm: std::env::var("DS4_WGPU_HC_PRE").map_or(true, |v| v != "apart"),
         q8_short_rows: std::env::var("DS4_WGPU_Q8_ROWS").map_or(true, |v| v != "1"),
         hc_split_old: std::env::var("DS4_WGPU_HC_SPLIT").is_ok_and(|v| v == "old"),
+        moe_down_pairs: std::env::var("DS4_WGPU_MOE_DOWN").map_or(true, |v| v != "single"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1445,6 +1454,8 @@ mod tests {
         // The compressors' kv and score projections, one dispatch each pair.
         assert_eq!(by["mat_vec_f16_split"], 4 + 1 + 3);
         assert_eq!(by.get("store_raw"), None);
+        // The Q2_K down projections two rows to a lane group.
+        assert_eq!((by["moe_down_q2_k_pairs"], by.get("moe_down")), (4, None));
         assert!(fused.dispatches.len() <= 127, "{} dispatches", fused.dispatches.len());
     }
 }
