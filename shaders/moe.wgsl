@@ -268,6 +268,45 @@ fn iq2_block_term(t: u32, bi: u32, nblk: u32, a: u32, nb: u32, b: u32) -> f32 {
     return fmul(fmul(h2f(dw & 0xffffu), yd), f32(bsum));
 }
 
+// A Q2_K block: quants of half h (128 values) in vectors 2h (low 16 bytes) and 2h + 1; the rest
+// is 16 scale bytes, then d and dmin (20 bytes: word-aligned).
+struct Q2KBlock {
+    q0: vec4<u32>,
+    q1: vec4<u32>,
+    q2: vec4<u32>,
+    q3: vec4<u32>,
+    sc: vec4<u32>,
+    dd: u32,
+}
+
+fn q2k_load(t: u32, bi: u32, nblk: u32) -> Q2KBlock {
+    let r = 16u * nblk + 5u * bi;
+    return Q2KBlock(wvec(t, 4u * bi), wvec(t, 4u * bi + 1u), wvec(t, 4u * bi + 2u), wvec(t, 4u * bi + 3u),
+                    vec4<u32>(wword(t, r), wword(t, r + 1u), wword(t, r + 2u), wword(t, r + 3u)), wword(t, r + 4u));
+}
+
+// The scaled integer sum of step (half, j) of block w: its 32 values against the activation's
+// vectors x0 and x1 (16 values each).
+fn q2k_step(w: Q2KBlock, half: u32, j: u32, x0: vec4<u32>, x1: vec4<u32>) -> i32 {
+    let ql = select(w.q0, w.q2, half == 1u);
+    let qh = select(w.q1, w.q3, half == 1u);
+    let sh = vec4<u32>(2u * j);
+    let m = vec4<u32>(0x03030303u);
+    let wl = (ql >> sh) & m;
+    let wh = (qh >> sh) & m;
+    let lo = dot4I8Packed(wl.x, x0.x) + dot4I8Packed(wl.y, x0.y) + dot4I8Packed(wl.z, x0.z) + dot4I8Packed(wl.w, x0.w);
+    let hi = dot4I8Packed(wh.x, x1.x) + dot4I8Packed(wh.y, x1.y) + dot4I8Packed(wh.z, x1.z) + dot4I8Packed(wh.w, x1.w);
+    let s = 8u * half + 2u * j;
+    return i32(vbyte(w.sc, s) & 15u) * lo + i32(vbyte(w.sc, s + 1u) & 15u) * hi;
+}
+
+// Block w's term from its integer sums: (yd * d) * isum - (yd * dmin) * summs.
+fn q2k_term(w: Q2KBlock, yd: f32, isum: i32, summs: i32) -> f32 {
+    let dall = fmul(yd, h2f(w.dd & 0xffffu));
+    let dmin = fmul(yd, h2f(w.dd >> 16u));
+    return fsub(fmul(dall, f32(isum)), fmul(dmin, f32(summs)));
+}
+
 // The term of block bi (of the range's nblk) of tensor t of type ty against activation block
 // (a, nb, b): the integer sums (packed 4x8 dot products) are exact in any order; the float
 // combination is ds4's. Quants and activations are read as 16-byte vectors, the weight's all
@@ -280,41 +319,19 @@ fn block_term(t: u32, ty: u32, bi: u32, nblk: u32, a: u32, nb: u32, b: u32) -> f
     // The activation block's first vector.
     let ab = 16u * b;
     if (ty == 10u) {
-        // Q2_K: quants of half h (128 values) in vectors 2h (low 16 bytes) and 2h + 1; the rest is
-        // 16 scale bytes, then d and dmin (20 bytes: word-aligned).
-        let q0 = wvec(t, 4u * bi);
-        let q1 = wvec(t, 4u * bi + 1u);
-        let q2 = wvec(t, 4u * bi + 2u);
-        let q3 = wvec(t, 4u * bi + 3u);
-        let r = 16u * nblk + 5u * bi;
-        let sc = vec4<u32>(wword(t, r), wword(t, r + 1u), wword(t, r + 2u), wword(t, r + 3u));
-        let dd = wword(t, r + 4u);
+        let w = q2k_load(t, bi, nblk);
         var isum = 0;
         for (var half = 0u; half < 2u; half = half + 1u) {
-            let ql = select(q0, q2, half == 1u);
-            let qh = select(q1, q3, half == 1u);
             for (var j = 0u; j < 4u; j = j + 1u) {
-                let sh = 2u * j;
                 let k = ab + 8u * half + 2u * j;
-                let x0 = avec(a, k);
-                let x1 = avec(a, k + 1u);
-                let wl = (ql >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
-                let wh = (qh >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
-                let lo = dot4I8Packed(wl.x, x0.x) + dot4I8Packed(wl.y, x0.y) + dot4I8Packed(wl.z, x0.z)
-                    + dot4I8Packed(wl.w, x0.w);
-                let hi = dot4I8Packed(wh.x, x1.x) + dot4I8Packed(wh.y, x1.y) + dot4I8Packed(wh.z, x1.z)
-                    + dot4I8Packed(wh.w, x1.w);
-                isum = isum + i32(vbyte(sc, 8u * half + 2u * j) & 15u) * lo
-                    + i32(vbyte(sc, 8u * half + 2u * j + 1u) & 15u) * hi;
+                isum = isum + q2k_step(w, half, j, avec(a, k), avec(a, k + 1u));
             }
         }
         var summs = 0;
         for (var k = 0u; k < 16u; k = k + 1u) {
-            summs = summs + i32(vbyte(sc, k) >> 4u) * qbsum(a, nb, b, k);
+            summs = summs + i32(vbyte(w.sc, k) >> 4u) * qbsum(a, nb, b, k);
         }
-        let dall = fmul(yd, h2f(dd & 0xffffu));
-        let dmin = fmul(yd, h2f(dd >> 16u));
-        return fsub(fmul(dall, f32(isum)), fmul(dmin, f32(summs)));
+        return q2k_term(w, yd, isum, summs);
     }
     // Q4_K: quants of sub-blocks 2c and 2c + 1 in vectors 2c and 2c + 1 (low and high nibbles);
     // the rest is d, dmin and 12 scale bytes (one vector).
@@ -452,6 +469,35 @@ fn gate_up_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, iq2: bool) {
     }
 }
 
+// The first of the `n` consecutive rows (of one slot: out_dim a multiple of n) that this lane
+// group of a down dispatch computes (`width` = arg 12 lanes per group): its index in the
+// partial sums, whether it is this dispatch's (in range, its expert in [e0, e1)), its first
+// weight block, the range's blocks, and the slot's first activation block.
+struct DownRows {
+    it: u32,
+    mine: bool,
+    bi0: u32,
+    nblk: u32,
+    nbm: u32,
+    b0: u32,
+}
+
+fn down_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, n: u32) -> DownRows {
+    let out_dim = arg(5u);
+    let total = arg(6u) * out_dim;
+    let e0 = arg(7u);
+    let e1 = arg(8u);
+    let width = arg(12u);
+    let first = n * (group_index(wid, nwg) * (256u / width) + lid / width);
+    let it = min(first, total - n);
+    let slot = it / out_dim;
+    let e = u32(max(SELECTED[slot], 0));
+    let el = select(0u, e - e0, e >= e0 && e < e1);
+    let nbm = arg(4u) / 256u;
+    return DownRows(it, first < total && e >= e0 && e < e1, (el * out_dim + it % out_dim) * nbm,
+                    (e1 - e0) * out_dim * nbm, nbm, slot * nbm);
+}
+
 // args as moe_gate_up, then width for the down rows (arg 12). partial (F1)[slot][r] = down_e(row
 // r) . midq[slot], for the slots whose expert is in range; `width` lanes per (slot, row).
 @compute @workgroup_size(256)
@@ -461,24 +507,10 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         return;
     }
     load_grid(lid, 256u);
-    let ff = arg(4u);
-    let out_dim = arg(5u);
-    let n_used = arg(6u);
-    let e0 = arg(7u);
-    let e1 = arg(8u);
-    let width = arg(12u);
-    let item = group_index(wid, nwg) * (256u / width) + lid / width;
-    let it = min(item, n_used * out_dim - 1u);
-    let slot = it / out_dim;
-    let r = it % out_dim;
-    let e = u32(max(SELECTED[slot], 0));
-    let mine = item < n_used * out_dim && e >= e0 && e < e1;
-    let el = select(0u, e - e0, e >= e0 && e < e1);
-    let nbm = ff / 256u;
-    let nblk = (e1 - e0) * out_dim * nbm;
-    let v = row_dot(2u, arg(2u), (el * out_dim + r) * nbm, nblk, nbm, 1u, arg(10u), slot * nbm, lid, width);
-    if (mine && lid % width == 0u) {
-        F1[it] = v;
+    let d = down_rows(wid, nwg, lid, 1u);
+    let v = row_dot(2u, arg(2u), d.bi0, d.nblk, d.nbm, 1u, arg(10u), d.b0, lid, arg(12u));
+    if (d.mine && lid % arg(12u) == 0u) {
+        F1[d.it] = v;
     }
 }
 
@@ -487,56 +519,27 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 fn q2k_block_terms2(t: u32, bi0: u32, bi1: u32, nblk: u32, a: u32, nb: u32, b: u32) -> vec2<f32> {
     let yd = qd(a, nb, b);
     let ab = 16u * b;
-    let p0 = wvec(t, 4u * bi0);
-    let p1 = wvec(t, 4u * bi0 + 1u);
-    let p2 = wvec(t, 4u * bi0 + 2u);
-    let p3 = wvec(t, 4u * bi0 + 3u);
-    let q0 = wvec(t, 4u * bi1);
-    let q1 = wvec(t, 4u * bi1 + 1u);
-    let q2 = wvec(t, 4u * bi1 + 2u);
-    let q3 = wvec(t, 4u * bi1 + 3u);
-    let r0 = 16u * nblk + 5u * bi0;
-    let r1 = 16u * nblk + 5u * bi1;
-    let sc0 = vec4<u32>(wword(t, r0), wword(t, r0 + 1u), wword(t, r0 + 2u), wword(t, r0 + 3u));
-    let sc1 = vec4<u32>(wword(t, r1), wword(t, r1 + 1u), wword(t, r1 + 2u), wword(t, r1 + 3u));
-    let dd0 = wword(t, r0 + 4u);
-    let dd1 = wword(t, r1 + 4u);
+    let w0 = q2k_load(t, bi0, nblk);
+    let w1 = q2k_load(t, bi1, nblk);
     var isum0 = 0;
     var isum1 = 0;
     for (var half = 0u; half < 2u; half = half + 1u) {
-        let pl = select(p0, p2, half == 1u);
-        let ph = select(p1, p3, half == 1u);
-        let ql = select(q0, q2, half == 1u);
-        let qh = select(q1, q3, half == 1u);
         for (var j = 0u; j < 4u; j = j + 1u) {
-            let sh = vec4<u32>(2u * j);
-            let m = vec4<u32>(0x03030303u);
             let k = ab + 8u * half + 2u * j;
             let x0 = avec(a, k);
             let x1 = avec(a, k + 1u);
-            let s = 8u * half + 2u * j;
-            let al = (pl >> sh) & m;
-            let ah = (ph >> sh) & m;
-            let lo0 = dot4I8Packed(al.x, x0.x) + dot4I8Packed(al.y, x0.y) + dot4I8Packed(al.z, x0.z) + dot4I8Packed(al.w, x0.w);
-            let hi0 = dot4I8Packed(ah.x, x1.x) + dot4I8Packed(ah.y, x1.y) + dot4I8Packed(ah.z, x1.z) + dot4I8Packed(ah.w, x1.w);
-            isum0 = isum0 + i32(vbyte(sc0, s) & 15u) * lo0 + i32(vbyte(sc0, s + 1u) & 15u) * hi0;
-            let bl = (ql >> sh) & m;
-            let bh = (qh >> sh) & m;
-            let lo1 = dot4I8Packed(bl.x, x0.x) + dot4I8Packed(bl.y, x0.y) + dot4I8Packed(bl.z, x0.z) + dot4I8Packed(bl.w, x0.w);
-            let hi1 = dot4I8Packed(bh.x, x1.x) + dot4I8Packed(bh.y, x1.y) + dot4I8Packed(bh.z, x1.z) + dot4I8Packed(bh.w, x1.w);
-            isum1 = isum1 + i32(vbyte(sc1, s) & 15u) * lo1 + i32(vbyte(sc1, s + 1u) & 15u) * hi1;
+            isum0 = isum0 + q2k_step(w0, half, j, x0, x1);
+            isum1 = isum1 + q2k_step(w1, half, j, x0, x1);
         }
     }
     var summs0 = 0;
     var summs1 = 0;
     for (var k = 0u; k < 16u; k = k + 1u) {
         let bs = qbsum(a, nb, b, k);
-        summs0 = summs0 + i32(vbyte(sc0, k) >> 4u) * bs;
-        summs1 = summs1 + i32(vbyte(sc1, k) >> 4u) * bs;
+        summs0 = summs0 + i32(vbyte(w0.sc, k) >> 4u) * bs;
+        summs1 = summs1 + i32(vbyte(w1.sc, k) >> 4u) * bs;
     }
-    let t0 = fsub(fmul(fmul(yd, h2f(dd0 & 0xffffu)), f32(isum0)), fmul(fmul(yd, h2f(dd0 >> 16u)), f32(summs0)));
-    let t1 = fsub(fmul(fmul(yd, h2f(dd1 & 0xffffu)), f32(isum1)), fmul(fmul(yd, h2f(dd1 >> 16u)), f32(summs1)));
-    return vec2<f32>(t0, t1);
+    return vec2<f32>(q2k_term(w0, yd, isum0, summs0), q2k_term(w1, yd, isum1, summs1));
 }
 
 // moe_down for Q2_K down tensors, two rows of one slot per `width` lanes (out_dim even): the two
@@ -548,24 +551,9 @@ fn moe_down_q2_k_pairs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     if (!guard()) {
         return;
     }
-    let ff = arg(4u);
-    let out_dim = arg(5u);
-    let n_used = arg(6u);
-    let e0 = arg(7u);
-    let e1 = arg(8u);
+    let d = down_rows(wid, nwg, lid, 2u);
     let width = arg(12u);
-    let pair = group_index(wid, nwg) * (256u / width) + lid / width;
-    let it = min(2u * pair, n_used * out_dim - 2u);
-    let slot = it / out_dim;
-    let r = it % out_dim;
-    let e = u32(max(SELECTED[slot], 0));
-    let mine = 2u * pair < n_used * out_dim && e >= e0 && e < e1;
-    let el = select(0u, e - e0, e >= e0 && e < e1);
-    let nbm = ff / 256u;
-    let nblk = (e1 - e0) * out_dim * nbm;
-    let bi0 = (el * out_dim + r) * nbm;
-    let nb = arg(10u);
-    let b0 = slot * nbm;
+    let nbm = d.nbm;
     let lane = lid % width;
     var t0 = zero();
     var t1 = zero();
@@ -574,16 +562,16 @@ fn moe_down_q2_k_pairs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         var a1 = zero();
         let b = c + lane;
         if (b < nbm) {
-            let terms = q2k_block_terms2(2u, bi0 + b, bi0 + nbm + b, nblk, 1u, nb, b0 + b);
+            let terms = q2k_block_terms2(2u, d.bi0 + b, d.bi0 + nbm + b, d.nblk, 1u, arg(10u), d.b0 + b);
             a0 = fadd(a0, terms.x);
             a1 = fadd(a1, terms.y);
         }
         t0 = fadd(t0, lane_sum_w(a0, lid, width));
         t1 = fadd(t1, lane_sum_w(a1, lid, width));
     }
-    if (mine && lane == 0u) {
-        F1[it] = t0;
-        F1[it + 1u] = t1;
+    if (d.mine && lane == 0u) {
+        F1[d.it] = t0;
+        F1[d.it + 1u] = t1;
     }
 }
 
