@@ -71,12 +71,15 @@ fn wgpu_32_lane_rows_equal_canonical_cpu_on_the_golden_tokens() {
 }
 
 /// The 32-lane shape on `small` too: its expert rows of 4 blocks run 8 rows per 32 lanes
-/// (`moe_gate_up` / `moe_down` with fewer lanes per row), which tiny's 1-block rows do not show.
+/// (`moe_gate_up` / `moe_down` with fewer lanes per row), which tiny's 1-block rows do not show;
+/// the Q2_K down rows both two to a lane group (`moe_down_q2_k_pairs`) and one (`moe_down`).
 #[test]
 fn wgpu_32_lane_rows_equal_canonical_cpu_on_small_tokens() {
     let model = preset_model(&Preset::small());
-    let gpu = wgpu_tuned(Tuning { rows_per_invocation: Some(false), ..Tuning::default() });
-    assert_eq!(compare(&model, &gpu, &[1, 7, 300, 42], 4, 64), 8);
+    for pairs in [true, false] {
+        let tuning = Tuning { rows_per_invocation: Some(false), moe_down_pairs: Some(pairs), ..Tuning::default() };
+        assert_eq!(compare(&model, &wgpu_tuned(tuning), &[1, 7, 300, 42], 4, 64), 8, "moe_down pairs {pairs}");
+    }
 }
 
 #[test]

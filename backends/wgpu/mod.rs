@@ -139,6 +139,10 @@ pub struct Tuning {
     /// The 32-lane butterfly with subgroup shuffles. Default: where the adapter has subgroups of
     /// exactly 32 invocations (NVIDIA); elsewhere through workgroup memory. Same bits either way.
     pub subgroups: Option<bool>,
+    /// Q2_K expert down rows two to a lane group (`moe_down_q2_k_pairs`) where out_dim is even,
+    /// else one (`moe_down`). Default: pairs, unless `DS4_WGPU_MOE_DOWN=single`. Same bits either
+    /// way.
+    pub moe_down_pairs: Option<bool>,
 }
 
 #[cfg(feature = "wgpu")]
@@ -169,6 +173,7 @@ mod imp {
         max_binding: u64,
         rows: bool,
         subgroups: bool,
+        moe_down_pairs: bool,
         errors: Arc<Mutex<Vec<String>>>,
     }
 
@@ -244,7 +249,10 @@ mod imp {
             let adapter_max = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size).min(1 << 31);
             let max_binding = tuning.max_binding.map_or(adapter_max, |m| m.min(adapter_max));
             let rows = tuning.rows_per_invocation.unwrap_or(info.device_type == wgpu::DeviceType::Cpu);
-            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, rows, subgroups, errors })
+            let moe_down_pairs = tuning
+                .moe_down_pairs
+                .unwrap_or_else(|| std::env::var("DS4_WGPU_MOE_DOWN").map_or(true, |v| v != "single"));
+            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, rows, subgroups, moe_down_pairs, errors })
         }
 
         /// The adapter's name and API, for the run's header.
@@ -371,6 +379,7 @@ mod imp {
         plan_ropes: Vec<(crate::model::RopeParams, u32)>,
         max_binding: u64,
         rows: bool,
+        moe_down_pairs: bool,
     }
 
     impl Shared {
@@ -582,8 +591,8 @@ mod imp {
             }
             let device = be.device.clone();
             // The token's fused plan, and one dispatch group per op for running single ops.
-            let plan = plan::plan(&program, be.max_binding, be.rows, true).map_err(err)?;
-            let single = plan::plan(&program, be.max_binding, be.rows, false).map_err(err)?;
+            let plan = plan::plan(&program, be.max_binding, be.rows, true, be.moe_down_pairs).map_err(err)?;
+            let single = plan::plan(&program, be.max_binding, be.rows, false, be.moe_down_pairs).map_err(err)?;
             if single.layouts != plan.layouts || single.ropes != plan.ropes {
                 return Err(err("the fused and the single-op plans lay the weights out differently"));
             }
@@ -689,6 +698,7 @@ mod imp {
                 plan_ropes: plan.ropes.clone(),
                 max_binding: be.max_binding,
                 rows: be.rows,
+                moe_down_pairs: be.moe_down_pairs,
             };
             let params = device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("step params"),
@@ -817,7 +827,7 @@ mod imp {
             }
             let state = chunk.state_binding(&self.program).map_err(|e| err(format!("chunk program: {e}")))?;
             // One op per dispatch: a fused dispatch could join a row loop's op to a batch op.
-            let plan = plan::plan(&chunk, res.max_binding, res.rows, false).map_err(err)?;
+            let plan = plan::plan(&chunk, res.max_binding, res.rows, false, res.moe_down_pairs).map_err(err)?;
             if plan.layouts != res.layouts || plan.ropes != res.plan_ropes {
                 return Err(err("the chunk program lays out its weights or RoPE tables differently"));
             }

@@ -203,7 +203,7 @@ struct Builder<'a> {
     /// `hc_split_weighted_sum_lanes` (only workgroup 0 runs it, on 32 lanes). Same bits.
     hc_split_old: bool,
     /// Q2_K down projections two rows to a lane group (`moe_down_q2_k_pairs`, one read of the
-    /// activation block for both); `DS4_WGPU_MOE_DOWN=single` keeps one row (`moe_down`).
+    /// activation block for both), else one (`moe_down`): `Tuning::moe_down_pairs`.
     moe_down_pairs: bool,
 }
 
@@ -1192,7 +1192,9 @@ fn comp_ratio(b: BoundKind) -> Result<u32, String> {
 /// Plans every op of `program`, in order. Weights larger than `max_binding` bytes are split;
 /// `rows` picks the one-invocation-per-row matvecs. With `fuse`, runs of ops share dispatches
 /// (the plan a token uses); without, every dispatch computes one op (for running single ops).
-pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Result<Plan, String> {
+/// `moe_down_pairs`: Q2_K down projections two rows to a lane group (`moe_down_q2_k_pairs`)
+/// instead of one (`moe_down`); same bits either way.
+pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_down_pairs: bool) -> Result<Plan, String> {
     // A chunk program runs each dispatch once per row, and a row loop's dispatches row by row:
     // a fused dispatch could join ops of a row loop and batch ops, so it is planned unfused.
     if program.rows() > 1 && fuse {
@@ -1216,7 +1218,7 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool) -> Resu
         hc_pre_norm: std::env::var("DS4_WGPU_HC_PRE").map_or(true, |v| v != "apart"),
         q8_short_rows: std::env::var("DS4_WGPU_Q8_ROWS").map_or(true, |v| v != "1"),
         hc_split_old: std::env::var("DS4_WGPU_HC_SPLIT").is_ok_and(|v| v == "old"),
-        moe_down_pairs: std::env::var("DS4_WGPU_MOE_DOWN").map_or(true, |v| v != "single"),
+        moe_down_pairs,
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1275,7 +1277,7 @@ mod tests {
                     continue;
                 }
                 for fuse in [false, true] {
-                    let plan = plan(&program, max_binding, rows, fuse).unwrap();
+                    let plan = plan(&program, max_binding, rows, fuse, true).unwrap();
                     let mut seen = vec![0; program.steps().len()];
                     for (i, d) in plan.dispatches.iter().enumerate() {
                         assert!(fuse || d.fused.is_empty(), "{name}: {} fused without fusion", d.entry);
@@ -1304,7 +1306,7 @@ mod tests {
         let mut moved = 0;
         for (name, program) in programs() {
             let steps = program.steps();
-            let plan = plan(&program, 1 << 31, false, true).unwrap();
+            let plan = plan(&program, 1 << 31, false, true, true).unwrap();
             // The dispatch position at which each op runs.
             let mut at = vec![usize::MAX; steps.len()];
             for (i, d) in plan.dispatches.iter().enumerate() {
@@ -1342,7 +1344,7 @@ mod tests {
                     continue;
                 }
                 for fuse in [false, true] {
-                    let plan = plan(&program, max_binding, rows, fuse).unwrap();
+                    let plan = plan(&program, max_binding, rows, fuse, true).unwrap();
                     let bind = |d: &Dispatch, k: u32| d.binds.iter().find(|b| b.0 == k).map(|b| b.1);
                     // (quantized buffer, predicate it was quantized under)
                     let mut held: Vec<(Buf, [u32; 3])> = Vec::new();
@@ -1424,7 +1426,7 @@ mod tests {
         let model = synth::device_model(&Preset::flash_4l(), 1).unwrap();
         let program = record_token(&model, Caps { ctx: 4096 }).unwrap();
         let (fused, single) =
-            (plan(&program, 1 << 31, false, true).unwrap(), plan(&program, 1 << 31, false, false).unwrap());
+            (plan(&program, 1 << 31, false, true, true).unwrap(), plan(&program, 1 << 31, false, false, true).unwrap());
         let mut by: std::collections::BTreeMap<&str, usize> = Default::default();
         for d in &fused.dispatches {
             *by.entry(d.entry).or_default() += 1;
