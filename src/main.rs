@@ -995,27 +995,34 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let (engine, load_time) = start(&a.m, a.m.backend)?;
     let (loaded, mut session, backend_label) = engine.into_parts();
     let cfg = &loaded.model.config;
-    let prompt: Vec<u32> = (0..a.prefill).map(|i| ((i * 7919 + 13) % cfg.n_vocab) as u32).collect();
+    let prompt_from =
+        |first: usize| -> Vec<u32> { (0..a.prefill).map(|i| ((i * 7919 + first) % cfg.n_vocab) as u32).collect() };
+    let prompt = prompt_from(13);
     // Greedy, as `ds4 run` decodes: sampled on the device where the backend can, so a GPU token
     // sends back its 4-byte id, not the logits.
     let mut greedy = ds4::sample::Sampler::new(SamplerConfig::default());
+    // -n tokens from `next`: the last token sampled and how long they took.
+    let decode = |session: &mut Session, greedy: &mut ds4::sample::Sampler, mut next: u32| -> Result<(u32, Duration)> {
+        let t = Instant::now();
+        for _ in 0..a.tokens {
+            next = session.eval_sampled(next, greedy)?;
+        }
+        Ok((next, t.elapsed()))
+    };
     // Warm-up passes until --warmup-ms has passed and the decode time of the last pass is within
     // 3% of the one before (a GPU can stay on its ramp for more than half a second), or for ten
     // times --warmup-ms at most. They decode from another prompt: an expert cache (placement
     // "host") keeps its slots across a reset, and replaying the timed tokens would fill it with
     // exactly the experts the timed pass needs.
-    let warm_prompt: Vec<u32> = (0..a.prefill).map(|i| ((i * 7919 + 14) % cfg.n_vocab) as u32).collect();
+    let warm_prompt = prompt_from(14);
     let warm = Instant::now();
-    let (min_warm, max_warm) = (Duration::from_millis(a.warmup_ms), Duration::from_millis(a.warmup_ms * 10));
+    let (min_warm, max_warm) =
+        (Duration::from_millis(a.warmup_ms), Duration::from_millis(a.warmup_ms.saturating_mul(10)));
     let (mut passes, mut settled, mut last) = (0, false, None::<Duration>);
     while a.warmup_ms > 0 && warm.elapsed() < max_warm && (passes == 0 || !settled || warm.elapsed() < min_warm) {
         session.feed(&warm_prompt, |_| {})?;
-        let mut next = session.sample(&mut greedy)?;
-        let t = Instant::now();
-        for _ in 0..a.tokens {
-            next = session.eval_sampled(next, &mut greedy)?;
-        }
-        let took = t.elapsed();
+        let first = session.sample(&mut greedy)?;
+        let (_, took) = decode(&mut session, &mut greedy, first)?;
         settled = last.is_some_and(|l| took.abs_diff(l) * 100 <= l * 3);
         last = Some(took);
         session.reset()?;
@@ -1024,14 +1031,10 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let warm_time = warm.elapsed();
     let t0 = Instant::now();
     session.feed(&prompt, |_| {})?;
-    let mut next = session.sample(&mut greedy)?;
+    let first = session.sample(&mut greedy)?;
     let prefill_time = t0.elapsed();
     let cache_before = session.executable().expert_cache_stats();
-    let t1 = Instant::now();
-    for _ in 0..a.tokens {
-        next = session.eval_sampled(next, &mut greedy)?;
-    }
-    let decode_time = t1.elapsed();
+    let (next, decode_time) = decode(&mut session, &mut greedy, first)?;
     let cache_after = session.executable().expert_cache_stats();
     for w in session.take_warnings() {
         eprintln!("ds4: {w}");
