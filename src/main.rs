@@ -1247,7 +1247,10 @@ fn cmd_kernels(arch: &str, source: Option<&Path>, chunk: bool) -> Result<()> {
             return Ok(());
         }
         #[cfg(not(feature = "cuda"))]
-        bail!("ds4 was built without the `cuda` feature: no kernel source to write to {}", path.display());
+        {
+            let _ = chunk;
+            bail!("ds4 was built without the `cuda` feature: no kernel source to write to {}", path.display());
+        }
     }
     for (layout, what) in [(BlockLayout::Split, "split blocks"), (BlockLayout::Native, "GGUF's blocks, unified")] {
         for (rows, which) in [(KernelRows::One, "decode"), (KernelRows::Chunk, "prefill chunks")] {

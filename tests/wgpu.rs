@@ -70,6 +70,20 @@ fn wgpu_32_lane_rows_equal_canonical_cpu_on_the_golden_tokens() {
     compare(&model, &gpu, &tokens[..40], 0, 256);
 }
 
+/// The shaders as SPIR-V with every float operation NoContraction and without the opaque
+/// identity (what a Vulkan 1.3 GPU runs by default; lavapipe runs the WGSL unless asked, because
+/// its compile takes ~50 s this way, and 4 minutes in the 32-lane shape, which scripts/wgpu-check
+/// runs on the H200): the same bits. Without the decorations lavapipe reassociates and the
+/// logits differ (measured: 1 of 4 steps).
+#[test]
+fn wgpu_spirv_with_no_contraction_equals_canonical_cpu_on_the_golden_tokens() {
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let tokens = golden_tokens();
+    let gpu = wgpu_tuned(Tuning { spirv: Some(true), ..Tuning::default() });
+    assert!(gpu.adapter().contains("SPIR-V with NoContraction"), "{}", gpu.adapter());
+    compare(&model, &gpu, &tokens, 0, 256);
+}
+
 /// The 32-lane shape on `small` too: its expert rows of 4 blocks run 8 rows per 32 lanes
 /// (`moe_gate_up` / `moe_down` with fewer lanes per row), which tiny's 1-block rows do not show;
 /// the Q2_K down rows both two to a lane group (`moe_down_q2_k_pairs`) and one (`moe_down`).

@@ -32,11 +32,28 @@ pub fn create(_opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
     Err(BackendError::new("wgpu", "ds4 was built without the `wgpu` feature"))
 }
 
+/// How the shaders keep every f32 operation the correctly rounded one the CPU computes, on a
+/// driver that would fuse a product into a sum or reassociate (shared/reference/wgsl-exactness.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exactness {
+    /// WGSL through wgpu's compiler, every float result through the opaque identity (`o` in
+    /// common.wgsl): any adapter.
+    OpaqueIdentity,
+    /// The same WGSL with `o` the plain identity, compiled to SPIR-V by naga, every float
+    /// operation decorated `NoContraction` ([`no_contraction`]), passed through to a Vulkan 1.3
+    /// driver. Same bits, fewer instructions: the identity is an extra integer operation per
+    /// float result (flash-4l on the H200: 1.98 ms of device time a token with it, 1.58 without).
+    NoContraction,
+}
+
+/// The opaque identity's body in common.wgsl, which [`Exactness::NoContraction`] replaces.
+pub const OPAQUE_BODY: &str = "return bitcast<f32>(bitcast<u32>(x) ^ Z);";
+
 /// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, the
 /// lane reductions (subgroup shuffles or workgroup memory), `row_scale.wgsl` for the files that
 /// normalize rows, `sinkhorn.wgsl` for the files that run the HC split, then the file.
 #[cfg(feature = "wgpu")]
-pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
+pub fn shader_source(file: &str, subgroups: bool, exactness: Exactness) -> Option<String> {
     let body = match file {
         "matvec" => include_str!("../../shaders/matvec.wgsl"),
         "norm" => include_str!("../../shaders/norm.wgsl"),
@@ -80,7 +97,10 @@ pub fn shader_source(file: &str, subgroups: bool) -> Option<String> {
         }
         _ => "",
     };
-    let common = include_str!("../../shaders/common.wgsl");
+    let common = match exactness {
+        Exactness::OpaqueIdentity => include_str!("../../shaders/common.wgsl").to_string(),
+        Exactness::NoContraction => include_str!("../../shaders/common.wgsl").replace(OPAQUE_BODY, "return x;"),
+    };
     let layout = if file == "sample" { sample_constants() } else { String::new() };
     Some(format!("{}{layout}{common}\n{lanes}\n{row_scale}\n{sinkhorn}\n{body}", wgsl_constants()))
 }
@@ -97,6 +117,7 @@ pub const SAMPLE_ST_CAND: u32 = SAMPLE_ST_HEADER;
 pub const SAMPLE_ST_PART: u32 = SAMPLE_ST_CAND + 2 * crate::sample::CANDIDATE_CAP as u32;
 
 /// The device sampler's layout constants as WGSL, so the shader and the host cannot drift apart.
+#[cfg(feature = "wgpu")]
 fn sample_constants() -> String {
     format!(
         "const SMP_SLICE: u32 = {SAMPLE_SLICE}u;\nconst SMP_CAP: u32 = {}u;\nconst ST_OUT: u32 = {SAMPLE_ST_OUT}u;\n\
@@ -108,6 +129,51 @@ fn sample_constants() -> String {
 /// Every shader file.
 pub const SHADER_FILES: [&str; 10] =
     ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe", "sample"];
+
+/// SPIR-V opcodes of the float arithmetic that [`no_contraction`] decorates: FNegate, FAdd,
+/// FSub, FMul, FDiv, FRem, FMod and the vector and matrix products.
+const FLOAT_ARITHMETIC: [u32; 14] = [127, 129, 131, 133, 136, 140, 141, 142, 143, 144, 145, 146, 147, 148];
+
+/// SPIR-V opcodes of the module's preamble (capabilities, extensions, imports, memory model,
+/// entry points, execution modes, debug names, decorations), which precede every type.
+const PREAMBLE: [u32; 24] =
+    [2, 3, 4, 5, 6, 7, 8, 10, 11, 14, 15, 16, 17, 71, 72, 73, 74, 75, 317, 330, 331, 332, 5632, 5633];
+
+/// The SPIR-V `NoContraction` decoration: the driver may not fuse the operation with another.
+const NO_CONTRACTION: u32 = 42;
+
+/// Decorates the result of every float arithmetic instruction of a SPIR-V module `NoContraction`,
+/// so that the driver neither fuses a product into a sum nor reassociates (measured exact on
+/// NVIDIA's driver and lavapipe, shared/reference/wgsl-exactness.md). The decorations go at the
+/// end of the annotations, before the first type. Returns how many instructions it decorated.
+pub fn no_contraction(words: &mut Vec<u32>) -> Result<usize, String> {
+    if words.len() < 5 || words[0] != 0x0723_0203 {
+        return Err("not a SPIR-V module".into());
+    }
+    let mut at = 5;
+    let mut body = None;
+    let mut results = Vec::new();
+    while at < words.len() {
+        let (count, op) = ((words[at] >> 16) as usize, words[at] & 0xffff);
+        if count == 0 || at + count > words.len() {
+            return Err(format!("a malformed instruction at word {at}"));
+        }
+        if body.is_none() && !PREAMBLE.contains(&op) {
+            body = Some(at);
+        }
+        if FLOAT_ARITHMETIC.contains(&op) {
+            if count < 4 {
+                return Err(format!("a float operation of {count} words at word {at}"));
+            }
+            results.push(words[at + 2]);
+        }
+        at += count;
+    }
+    let body = body.ok_or("a SPIR-V module without types")?;
+    let decorations = results.iter().flat_map(|&id| [(3 << 16) | 71, id, NO_CONTRACTION]);
+    words.splice(body..body, decorations);
+    Ok(results.len())
+}
 
 /// The canonical profile's constants as WGSL `f32` literals that parse back to the same bits
 /// (Rust's shortest round-trip form), so the shaders and `crate::numerics` cannot drift apart.
@@ -143,6 +209,11 @@ pub struct Tuning {
     /// else one (`moe_down`). Default: pairs, unless `DS4_WGPU_MOE_DOWN=single`. Same bits either
     /// way.
     pub moe_down_pairs: Option<bool>,
+    /// Shaders as SPIR-V with `NoContraction` ([`Exactness::NoContraction`]) instead of WGSL
+    /// with the opaque identity. Default: SPIR-V on Vulkan 1.3 GPUs (not on CPU adapters such as
+    /// lavapipe, whose compile takes 30x longer without the identity), unless
+    /// `DS4_WGPU_SPIRV=off`. Same bits either way.
+    pub spirv: Option<bool>,
 }
 
 #[cfg(feature = "wgpu")]
@@ -174,7 +245,23 @@ mod imp {
         rows: bool,
         subgroups: bool,
         moe_down_pairs: bool,
+        exactness: super::Exactness,
         errors: Arc<Mutex<Vec<String>>>,
+    }
+
+    /// Whether the adapter is a Vulkan 1.3 device: SPIR-V 1.6, with the integer dot product and
+    /// subgroup operations in core, as naga writes them for [`super::Exactness::NoContraction`].
+    #[cfg(not(target_vendor = "apple"))]
+    fn vulkan_1_3(adapter: &wgpu::Adapter) -> bool {
+        // SAFETY: only reads the physical device's properties through the guard, which is
+        // dropped before this returns; nothing is created or destroyed.
+        let hal = unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() };
+        hal.is_some_and(|a| a.physical_device_capabilities().properties().api_version >= (1 << 22) | (3 << 12))
+    }
+
+    #[cfg(target_vendor = "apple")]
+    fn vulkan_1_3(_adapter: &wgpu::Adapter) -> bool {
+        false
     }
 
     impl WgpuBackend {
@@ -220,7 +307,27 @@ mod imp {
                 Some(s) => s,
                 None => lanes32,
             };
+            let spirv_ok = info.backend == wgpu::Backend::Vulkan
+                && adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS)
+                && vulkan_1_3(&adapter);
+            let spirv = match tuning.spirv {
+                Some(true) if !spirv_ok => {
+                    return Err(err(format!("{} is not a Vulkan 1.3 adapter that takes SPIR-V", info.name)))
+                }
+                Some(s) => s,
+                // Not on CPU adapters: without the identity in the way, lavapipe's LLVM spends
+                // ~50 s optimizing the tiny model's shaders (1.7 s with it).
+                None => {
+                    spirv_ok
+                        && info.device_type != wgpu::DeviceType::Cpu
+                        && std::env::var("DS4_WGPU_SPIRV").map_or(true, |v| v != "off")
+                }
+            };
+            let exactness = if spirv { super::Exactness::NoContraction } else { super::Exactness::OpaqueIdentity };
             let mut features = wgpu::Features::empty();
+            if spirv {
+                features |= wgpu::Features::PASSTHROUGH_SHADERS;
+            }
             if timestamps {
                 features |= wgpu::Features::TIMESTAMP_QUERY;
             }
@@ -252,14 +359,29 @@ mod imp {
             let moe_down_pairs = tuning
                 .moe_down_pairs
                 .unwrap_or_else(|| std::env::var("DS4_WGPU_MOE_DOWN").map_or(true, |v| v != "single"));
-            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, rows, subgroups, moe_down_pairs, errors })
+            Ok(WgpuBackend {
+                device,
+                queue,
+                info,
+                timestamps,
+                max_binding,
+                rows,
+                subgroups,
+                moe_down_pairs,
+                exactness,
+                errors,
+            })
         }
 
         /// The adapter's name and API, for the run's header.
         pub fn adapter(&self) -> String {
             let lanes = if self.subgroups { "subgroup butterfly" } else { "workgroup-memory butterfly" };
             let rows = if self.rows { "one invocation per row" } else { "32 lanes per row" };
-            format!("{} ({:?}, {}; {rows}, {lanes})", self.info.name, self.info.backend, self.info.driver)
+            let exact = match self.exactness {
+                super::Exactness::OpaqueIdentity => "WGSL with the opaque identity",
+                super::Exactness::NoContraction => "SPIR-V with NoContraction",
+            };
+            format!("{} ({:?}, {}; {rows}, {lanes}, {exact})", self.info.name, self.info.backend, self.info.driver)
         }
     }
 
@@ -470,8 +592,12 @@ mod imp {
     }
 
     /// Parses and validates one shader file with naga.
-    pub fn validate(file: &str, subgroups: bool) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
-        let src = super::shader_source(file, subgroups).ok_or_else(|| format!("no shader file {file}"))?;
+    pub fn validate(
+        file: &str,
+        subgroups: bool,
+        exactness: super::Exactness,
+    ) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
+        let src = super::shader_source(file, subgroups, exactness).ok_or_else(|| format!("no shader file {file}"))?;
         let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
         let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
             .validate(&module)
@@ -499,24 +625,169 @@ mod imp {
         }
     }
 
-    /// One shader file's module, with naga's module and analysis (for the bindings it uses).
-    fn shader_module(
-        device: &wgpu::Device,
+    /// One shader file as the device runs it: naga's module and analysis (for the bindings each
+    /// entry point uses), and the WGSL module, or nothing where each entry point is compiled to
+    /// SPIR-V of its own ([`super::Exactness::NoContraction`]).
+    struct ShaderFile {
         file: &'static str,
-        subgroups: bool,
-    ) -> Result<(wgpu::ShaderModule, naga::Module, naga::valid::ModuleInfo), BackendError> {
-        let (m, info) = validate(file, subgroups).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
-        let src = super::shader_source(file, subgroups).unwrap_or_default();
-        // Without wgpu's forced loop bound: naga would give every loop a 64-bit counter and an
-        // extra exit, which keeps the driver from unrolling the short fixed loops (lanes, blocks,
-        // butterflies) every shader is made of. Bounds checks stay on (turning them off measured
-        // no faster on the H200: flash-4l 2.37 against 2.38 ms of device time per token).
-        let checks = wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..Default::default() };
-        let desc = wgpu::ShaderModuleDescriptor { label: Some(file), source: wgpu::ShaderSource::Wgsl(src.into()) };
-        // SAFETY: every loop in shaders/ ends: its bound is an argument word or a constant, and
-        // no loop waits on another invocation.
-        let sm = unsafe { device.create_shader_module_trusted(desc, checks) };
-        Ok((sm, m, info))
+        module: naga::Module,
+        info: naga::valid::ModuleInfo,
+        wgsl: Option<wgpu::ShaderModule>,
+    }
+
+    impl ShaderFile {
+        fn new(
+            device: &wgpu::Device,
+            file: &'static str,
+            subgroups: bool,
+            exactness: super::Exactness,
+        ) -> Result<Self, BackendError> {
+            let (module, info) =
+                validate(file, subgroups, exactness).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
+            let wgsl = match exactness {
+                super::Exactness::NoContraction => None,
+                super::Exactness::OpaqueIdentity => {
+                    let src = super::shader_source(file, subgroups, exactness).unwrap_or_default();
+                    let desc = wgpu::ShaderModuleDescriptor {
+                        label: Some(file),
+                        source: wgpu::ShaderSource::Wgsl(src.into()),
+                    };
+                    // SAFETY: every loop in shaders/ ends: its bound is an argument word or a
+                    // constant, and no loop waits on another invocation.
+                    Some(unsafe { device.create_shader_module_trusted(desc, wgsl_checks()) })
+                }
+            };
+            Ok(ShaderFile { file, module, info, wgsl })
+        }
+
+        /// The bindings `entry` uses.
+        fn used(&self, entry: &str) -> Result<Vec<u32>, BackendError> {
+            used_bindings(&self.module, &self.info, entry)
+                .ok_or_else(|| err(format!("shaders/{}.wgsl has no entry point '{entry}'", self.file)))
+        }
+
+        /// The compute pipeline of `entry`.
+        fn pipeline(&self, device: &wgpu::Device, entry: &str) -> Result<wgpu::ComputePipeline, BackendError> {
+            let desc = |layout, module| wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout,
+                module,
+                entry_point: Some(entry),
+                compilation_options: compilation_options(entry),
+                cache: None,
+            };
+            if let Some(sm) = &self.wgsl {
+                return Ok(device.create_compute_pipeline(&desc(None, sm)));
+            }
+            let fail = |e: String| err(format!("shaders/{}.wgsl, {entry}: {e}", self.file));
+            let ep =
+                self.module.entry_points.iter().find(|e| e.name == entry).ok_or_else(|| fail("no entry".into()))?;
+            let mut words = naga::back::spv::write_vec(
+                &self.module,
+                &self.info,
+                &spirv_options(entry, &self.used(entry)?),
+                Some(&naga::back::spv::PipelineOptions {
+                    shader_stage: naga::ShaderStage::Compute,
+                    entry_point: entry.to_string(),
+                }),
+            )
+            .map_err(|e| fail(e.to_string()))?;
+            super::no_contraction(&mut words).map_err(fail)?;
+            let [x, y, z] = ep.workgroup_size;
+            let sm_desc = wgpu::ShaderModuleDescriptorPassthrough {
+                label: Some(entry),
+                entry_points: vec![wgpu::PassthroughShaderEntryPoint { name: entry.into(), workgroup_size: (x, y, z) }]
+                    .into(),
+                spirv: Some(words.into()),
+                ..Default::default()
+            };
+            // SAFETY: naga wrote the SPIR-V from a module it validated, with the bounds checks
+            // wgpu itself would ask for (`spirv_options`); the post-pass only adds decorations.
+            let sm = unsafe { device.create_shader_module_passthrough(sm_desc) };
+            // Passed-through code has no reflection for wgpu: the layout comes from naga's module.
+            let mut entries = Vec::new();
+            for b in self.used(entry)? {
+                let ty = buffer_binding(&self.module, b).ok_or_else(|| fail(format!("binding {b} is not a buffer")))?;
+                entries.push(wgpu::BindGroupLayoutEntry {
+                    binding: b,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer { ty, has_dynamic_offset: false, min_binding_size: None },
+                    count: None,
+                });
+            }
+            let bgl = device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(entry), entries: &entries });
+            let layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(entry),
+                bind_group_layouts: &[Some(&bgl)],
+                immediate_size: 0,
+            });
+            Ok(device.create_compute_pipeline(&desc(Some(&layout), &sm)))
+        }
+    }
+
+    /// Without wgpu's forced loop bound: naga would give every loop a 64-bit counter and an extra
+    /// exit, which keeps the driver from unrolling the short fixed loops (lanes, blocks,
+    /// butterflies) every shader is made of. Bounds checks stay on (turning them off measured no
+    /// faster on the H200: flash-4l 2.37 against 2.38 ms of device time per token).
+    fn wgsl_checks() -> wgpu::ShaderRuntimeChecks {
+        wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..Default::default() }
+    }
+
+    /// naga's SPIR-V options for one entry point that uses the bindings `used` (ascending):
+    /// what wgpu's Vulkan backend asks for with `wgsl_checks` (index and buffer accesses
+    /// restricted to their bounds, integer division checked, no forced loop bound), SPIR-V 1.6
+    /// for Vulkan 1.3, and workgroup memory zeroed but for the entries that write
+    /// it all first, by the driver (a Vulkan 1.3 feature, which wgpu turns on; naga's polyfill
+    /// made lavapipe's compile of the tiny model's shaders take minutes). wgpu's Vulkan backend numbers a layout's bindings 0, 1, ... in binding
+    /// order (wgpu-hal 30, `create_bind_group_layout`), so binding `used[k]` is Vulkan binding k.
+    fn spirv_options(entry: &str, used: &[u32]) -> naga::back::spv::Options<'static> {
+        use naga::back::spv;
+        use naga::proc::{BoundsCheckPolicies, BoundsCheckPolicy};
+        let binding_map = used
+            .iter()
+            .enumerate()
+            .map(|(k, &b)| {
+                let target = spv::BindingInfo { descriptor_set: 0, binding: k as u32, binding_array_size: None };
+                (naga::ResourceBinding { group: 0, binding: b }, target)
+            })
+            .collect();
+        spv::Options {
+            lang_version: (1, 6),
+            flags: spv::WriterFlags::empty(),
+            fake_missing_bindings: false,
+            binding_map,
+            bounds_check_policies: BoundsCheckPolicies {
+                index: BoundsCheckPolicy::Restrict,
+                buffer: BoundsCheckPolicy::Restrict,
+                image_load: BoundsCheckPolicy::Restrict,
+                binding_array: BoundsCheckPolicy::Unchecked,
+            },
+            zero_initialize_workgroup_memory: if NO_ZEROED_WORKGROUP_MEMORY.contains(&entry) {
+                spv::ZeroInitializeWorkgroupMemoryMode::None
+            } else {
+                spv::ZeroInitializeWorkgroupMemoryMode::Native
+            },
+            force_loop_bounding: false,
+            ray_query_initialization_tracking: false,
+            ..Default::default()
+        }
+    }
+
+    /// The buffer type of binding `b` (group 0) as the module declares it.
+    fn buffer_binding(module: &naga::Module, b: u32) -> Option<wgpu::BufferBindingType> {
+        let g = module
+            .global_variables
+            .iter()
+            .map(|(_, g)| g)
+            .find(|g| g.binding.as_ref().is_some_and(|r| r.group == 0 && r.binding == b))?;
+        match g.space {
+            naga::AddressSpace::Uniform => Some(wgpu::BufferBindingType::Uniform),
+            naga::AddressSpace::Storage { access } => {
+                Some(wgpu::BufferBindingType::Storage { read_only: !access.contains(naga::StorageAccess::STORE) })
+            }
+            _ => None,
+        }
     }
 
     impl DeviceSampler {
@@ -524,6 +795,7 @@ mod imp {
         fn new(
             device: &wgpu::Device,
             subgroups: bool,
+            exactness: super::Exactness,
             params: &wgpu::Buffer,
             logits: &wgpu::Buffer,
             n: usize,
@@ -545,19 +817,11 @@ mod imp {
             let st = buffer("sampler state", super::SAMPLE_ST_PART + 2 * groups, storage);
             let hist = buffer("sampler histogram", 260, storage);
             let sp = buffer("sampler params", 8, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST);
-            let (sm, m, info) = shader_module(device, "sample", subgroups)?;
+            let shader = ShaderFile::new(device, "sample", subgroups, exactness)?;
             let mut passes = Vec::with_capacity(SAMPLE_ENTRIES.len());
             for entry in SAMPLE_ENTRIES {
-                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(entry),
-                    layout: None,
-                    module: &sm,
-                    entry_point: Some(entry),
-                    compilation_options: compilation_options(entry),
-                    cache: None,
-                });
-                let used = used_bindings(&m, &info, entry)
-                    .ok_or_else(|| err(format!("shaders/sample.wgsl has no entry point '{entry}'")))?;
+                let pipeline = shader.pipeline(device, entry)?;
+                let used = shader.used(entry)?;
                 let mut entries = Vec::with_capacity(used.len());
                 for b in used {
                     let buf = match b {
@@ -719,35 +983,25 @@ mod imp {
             });
 
             // One module per shader file, one pipeline per entry point.
-            let mut modules: HashMap<&'static str, (wgpu::ShaderModule, naga::Module, naga::valid::ModuleInfo)> =
-                HashMap::new();
+            let mut modules: HashMap<&'static str, ShaderFile> = HashMap::new();
             let mut pipelines = Vec::new();
             let mut dispatches = Vec::with_capacity(all.len());
             let max_x = device.limits().max_compute_workgroups_per_dimension.min(plan::MAX_GROUPS_X);
             for (i, d) in all.iter().enumerate() {
                 let file = plan::shader_of(d.entry).ok_or_else(|| err(format!("no shader has '{}'", d.entry)))?;
                 if !modules.contains_key(file) {
-                    modules.insert(file, shader_module(&device, file, be.subgroups)?);
+                    modules.insert(file, ShaderFile::new(&device, file, be.subgroups, be.exactness)?);
                 }
-                let (sm, m, info) = &modules[file];
+                let shader = &modules[file];
                 let p = match shared.pipeline_of.get(d.entry) {
                     Some(&p) => p,
                     None => {
-                        let pl = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                            label: Some(d.entry),
-                            layout: None,
-                            module: sm,
-                            entry_point: Some(d.entry),
-                            compilation_options: compilation_options(d.entry),
-                            cache: None,
-                        });
-                        pipelines.push(pl);
+                        pipelines.push(shader.pipeline(&device, d.entry)?);
                         shared.pipeline_of.insert(d.entry, pipelines.len() - 1);
                         pipelines.len() - 1
                     }
                 };
-                let used = used_bindings(m, info, d.entry)
-                    .ok_or_else(|| err(format!("shaders/{file}.wgsl has no entry point '{}'", d.entry)))?;
+                let used = shader.used(d.entry)?;
                 shared.used_of.insert(d.entry, used.clone());
                 let mut entries = Vec::with_capacity(used.len());
                 for b in used {
@@ -783,7 +1037,7 @@ mod imp {
             }
             let single_ops = dispatches.split_off(plan.dispatches.len());
             let logits = &bufs[program.logits().0 as usize];
-            let sampler = DeviceSampler::new(&device, be.subgroups, &params, logits, program.n_vocab())?;
+            let sampler = DeviceSampler::new(&device, be.subgroups, be.exactness, &params, logits, program.n_vocab())?;
             let mut exe = WgpuExecutable {
                 program,
                 device,
@@ -1672,7 +1926,7 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
         fn every_shader_validates_with_naga() {
             for file in super::super::SHADER_FILES {
                 for subgroups in [false, true] {
-                    let (m, _) = super::validate(file, subgroups)
+                    let (m, _) = super::validate(file, subgroups, super::super::Exactness::OpaqueIdentity)
                         .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
                     assert!(!m.entry_points.is_empty(), "{file}");
                     for ep in &m.entry_points {
@@ -1680,6 +1934,76 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
                     }
                 }
             }
+        }
+
+        /// The instructions of a SPIR-V module: (opcode, operand words).
+        fn spirv_instructions(words: &[u32]) -> Vec<(u32, &[u32])> {
+            let mut out = Vec::new();
+            let mut at = 5;
+            while at < words.len() {
+                let n = (words[at] >> 16) as usize;
+                assert!(n > 0 && at + n <= words.len(), "malformed instruction at word {at}");
+                out.push((words[at] & 0xffff, &words[at + 1..at + n]));
+                at += n;
+            }
+            out
+        }
+
+        /// The NoContraction build: the opaque identity is gone from the source, every entry
+        /// point of every file compiles to SPIR-V, and afterwards each float operation's result
+        /// carries exactly one NoContraction decoration, placed among the annotations (before
+        /// the first type), with the instruction stream still well formed.
+        #[test]
+        fn every_entry_point_compiles_to_spirv_with_every_float_operation_no_contraction() {
+            use super::super::{no_contraction, shader_source, Exactness, OPAQUE_BODY, SHADER_FILES};
+            let common = include_str!("../../shaders/common.wgsl");
+            assert_eq!(common.matches(OPAQUE_BODY).count(), 1, "common.wgsl's opaque identity");
+            for file in SHADER_FILES {
+                for subgroups in [false, true] {
+                    let src = shader_source(file, subgroups, Exactness::NoContraction).unwrap();
+                    assert!(!src.contains(OPAQUE_BODY), "{file}");
+                    let (m, info) = super::validate(file, subgroups, Exactness::NoContraction)
+                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
+                    for ep in &m.entry_points {
+                        let pipeline = naga::back::spv::PipelineOptions {
+                            shader_stage: naga::ShaderStage::Compute,
+                            entry_point: ep.name.clone(),
+                        };
+                        let used = super::used_bindings(&m, &info, &ep.name).unwrap();
+                        let options = super::spirv_options(&ep.name, &used);
+                        let mut w = naga::back::spv::write_vec(&m, &info, &options, Some(&pipeline))
+                            .unwrap_or_else(|e| panic!("{file}/{}: {e}", ep.name));
+                        let before = w.len();
+                        let n = no_contraction(&mut w).unwrap();
+                        assert_eq!(w.len(), before + 3 * n, "{}", ep.name);
+                        let ins = spirv_instructions(&w);
+                        let floats: Vec<u32> = ins
+                            .iter()
+                            .filter(|(op, _)| super::super::FLOAT_ARITHMETIC.contains(op))
+                            .map(|(_, a)| a[1])
+                            .collect();
+                        assert_eq!(floats.len(), n, "{}", ep.name);
+                        let decorated: Vec<u32> =
+                            ins.iter().filter(|(op, a)| *op == 71 && a[1] == 42).map(|(_, a)| a[0]).collect();
+                        let mut want = floats.clone();
+                        let mut got = decorated.clone();
+                        want.sort_unstable();
+                        got.sort_unstable();
+                        assert_eq!(got, want, "{}: the decorated results", ep.name);
+                        let first_type = ins.iter().position(|(op, _)| (19..=39).contains(op)).unwrap();
+                        let last_decoration = ins.iter().rposition(|(op, _)| *op == 71).unwrap_or(0);
+                        assert!(last_decoration < first_type, "{}: a decoration after the types", ep.name);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn no_contraction_refuses_what_is_not_spirv() {
+            use super::super::no_contraction;
+            assert!(no_contraction(&mut vec![1, 2, 3]).is_err());
+            assert!(no_contraction(&mut vec![0x0723_0203, 0x10600, 0, 10, 0, (9 << 16) | 17]).is_err());
+            assert!(no_contraction(&mut vec![0x0723_0203, 0x10600, 0, 10, 0, (2 << 16) | 17, 1]).is_err());
         }
     }
 }
