@@ -505,3 +505,26 @@ fn q8k_block(v: f32, lid: u32) -> Q8KLane {
     workgroupBarrier();
     return out;
 }
+
+var<workgroup> scan_words: array<u32, 256>;
+
+// The sum of `v` over the invocations of a 256-invocation workgroup before this one, and over
+// all (uniform): (before, total), added in the same tree for every invocation. Call in uniform
+// control flow; the barrier first lets it follow an earlier scan whose total is still being read
+// (the indexer's top-k runs two in a row).
+fn scan_before(v: u32, lid: u32) -> vec2<u32> {
+    workgroupBarrier();
+    scan_words[lid] = v;
+    workgroupBarrier();
+    for (var o = 1u; o < 256u; o = o * 2u) {
+        var t = 0u;
+        if (lid >= o) {
+            t = scan_words[lid - o];
+        }
+        workgroupBarrier();
+        scan_words[lid] = scan_words[lid] + t;
+        workgroupBarrier();
+    }
+    let before = scan_words[lid] - v;
+    return vec2<u32>(before, workgroupUniformLoad(&scan_words[255]));
+}

@@ -79,27 +79,7 @@ fn top_k_key(s: f32) -> u32 {
 
 var<workgroup> hist: array<atomic<u32>, 256>;
 var<workgroup> pickable: atomic<u32>;
-var<workgroup> scan: array<u32, 256>;
 var<workgroup> pick_info: array<u32, 3>;
-
-// Exclusive prefix count of `flag` over the workgroup's invocations in index order, and the
-// total: (before, total). Call in uniform control flow.
-fn count_before(flag: bool, lid: u32) -> vec2<u32> {
-    let own = select(0u, 1u, flag);
-    workgroupBarrier();
-    scan[lid] = own;
-    workgroupBarrier();
-    for (var o = 1u; o < 256u; o = o * 2u) {
-        var v = 0u;
-        if (lid >= o) {
-            v = scan[lid - o];
-        }
-        workgroupBarrier();
-        scan[lid] = scan[lid] + v;
-        workgroupBarrier();
-    }
-    return vec2<u32>(scan[lid] - own, scan[255]);
-}
 
 // args: top_k, ratio, cap. One workgroup. The canonical pick (the CPU's top_k_ascending) takes
 // k = min(top_k, rows) times the best untaken row above -1e30, ties to the lower row, row 0 when
@@ -180,9 +160,9 @@ fn indexer_top_k(@builtin(local_invocation_index) lid: u32) {
             key = top_k_key(SCORES[c]);
         }
         let tie = want > 0u && key != 0u && key == prefix;
-        let tc = count_before(tie, lid);
+        let tc = scan_before(select(0u, 1u, tie), lid);
         let sel = (want > 0u && key != 0u && (key > prefix || (tie && ties_seen + tc.x < need))) || (fallback && c == 0u);
-        let sc = count_before(sel, lid);
+        let sc = scan_before(select(0u, 1u, sel), lid);
         if (sel) {
             SEL[written + sc.x] = i32(c);
         }

@@ -234,26 +234,7 @@ var<workgroup> smp_ck: array<u32, 1024>;
 var<workgroup> smp_ci: array<u32, 1024>;
 var<workgroup> smp_pf: array<f32, 1024>;
 var<workgroup> smp_u: array<u32, 4>;
-var<workgroup> smp_scan: array<u32, 256>;
 var<workgroup> smp_cut: atomic<u32>;
-
-// The sum of `v` over the invocations before this one, and over all (uniform).
-fn smp_scan_before(v: u32, lid: u32) -> vec2<u32> {
-    smp_scan[lid] = v;
-    workgroupBarrier();
-    for (var o = 1u; o < 256u; o = o * 2u) {
-        var t = 0u;
-        if (lid >= o) {
-            t = smp_scan[lid - o];
-        }
-        workgroupBarrier();
-        smp_scan[lid] = smp_scan[lid] + t;
-        workgroupBarrier();
-    }
-    let before = smp_scan[lid] - v;
-    let total = workgroupUniformLoad(&smp_scan[255]);
-    return vec2<u32>(before, total);
-}
 
 @compute @workgroup_size(256)
 fn sample_final(@builtin(local_invocation_index) lid: u32) {
@@ -302,7 +283,7 @@ fn sample_final(@builtin(local_invocation_index) lid: u32) {
                 mine = mine + 1u;
             }
         }
-        var rank = smp_scan_before(mine, lid).x;
+        var rank = scan_before(mine, lid).x;
         for (var i = first; i < end && rank < need_eq; i = i + 1u) {
             let b = LOGITS[i];
             if (smp_finite(b) && smp_key(b) == thresh) {
