@@ -42,7 +42,8 @@ pub enum Exactness {
     /// The same WGSL with `o` the plain identity, compiled to SPIR-V by naga, every float
     /// operation decorated `NoContraction` ([`no_contraction`]), passed through to a Vulkan 1.3
     /// driver. Same bits, fewer instructions: the identity is an extra integer operation per
-    /// float result (flash-4l on the H200: 1.98 ms of device time a token with it, 1.58 without).
+    /// float result (flash-4l on the H200: 2.03 ms of device time a token with it, 1.88 with
+    /// NoContraction instead).
     NoContraction,
 }
 
@@ -256,6 +257,7 @@ mod imp {
         // SAFETY: only reads the physical device's properties through the guard, which is
         // dropped before this returns; nothing is created or destroyed.
         let hal = unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() };
+        // (1 << 22) | (3 << 12): VK_MAKE_API_VERSION(0, 1, 3, 0).
         hal.is_some_and(|a| a.physical_device_capabilities().properties().api_version >= (1 << 22) | (3 << 12))
     }
 
@@ -682,16 +684,8 @@ mod imp {
             let fail = |e: String| err(format!("shaders/{}.wgsl, {entry}: {e}", self.file));
             let ep =
                 self.module.entry_points.iter().find(|e| e.name == entry).ok_or_else(|| fail("no entry".into()))?;
-            let mut words = naga::back::spv::write_vec(
-                &self.module,
-                &self.info,
-                &spirv_options(entry, &self.used(entry)?),
-                Some(&naga::back::spv::PipelineOptions {
-                    shader_stage: naga::ShaderStage::Compute,
-                    entry_point: entry.to_string(),
-                }),
-            )
-            .map_err(|e| fail(e.to_string()))?;
+            let used = self.used(entry)?;
+            let mut words = spirv_words(&self.module, &self.info, entry, &used).map_err(fail)?;
             super::no_contraction(&mut words).map_err(fail)?;
             let [x, y, z] = ep.workgroup_size;
             let sm_desc = wgpu::ShaderModuleDescriptorPassthrough {
@@ -706,7 +700,7 @@ mod imp {
             let sm = unsafe { device.create_shader_module_passthrough(sm_desc) };
             // Passed-through code has no reflection for wgpu: the layout comes from naga's module.
             let mut entries = Vec::new();
-            for b in self.used(entry)? {
+            for b in used {
                 let ty = buffer_binding(&self.module, b).ok_or_else(|| fail(format!("binding {b} is not a buffer")))?;
                 entries.push(wgpu::BindGroupLayoutEntry {
                     binding: b,
@@ -734,13 +728,30 @@ mod imp {
         wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..Default::default() }
     }
 
+    /// The SPIR-V of one entry point that uses the bindings `used` (ascending), before the
+    /// NoContraction post-pass.
+    fn spirv_words(
+        module: &naga::Module,
+        info: &naga::valid::ModuleInfo,
+        entry: &str,
+        used: &[u32],
+    ) -> Result<Vec<u32>, String> {
+        let pipeline = naga::back::spv::PipelineOptions {
+            shader_stage: naga::ShaderStage::Compute,
+            entry_point: entry.to_string(),
+        };
+        naga::back::spv::write_vec(module, info, &spirv_options(entry, used), Some(&pipeline))
+            .map_err(|e| e.to_string())
+    }
+
     /// naga's SPIR-V options for one entry point that uses the bindings `used` (ascending):
     /// what wgpu's Vulkan backend asks for with `wgsl_checks` (index and buffer accesses
     /// restricted to their bounds, integer division checked, no forced loop bound), SPIR-V 1.6
-    /// for Vulkan 1.3, and workgroup memory zeroed but for the entries that write
-    /// it all first, by the driver (a Vulkan 1.3 feature, which wgpu turns on; naga's polyfill
-    /// made lavapipe's compile of the tiny model's shaders take minutes). wgpu's Vulkan backend numbers a layout's bindings 0, 1, ... in binding
-    /// order (wgpu-hal 30, `create_bind_group_layout`), so binding `used[k]` is Vulkan binding k.
+    /// for Vulkan 1.3, and workgroup memory zeroed by the driver but for the entries that write
+    /// it all first (a Vulkan 1.3 feature, which wgpu turns on; naga's polyfill made lavapipe's
+    /// compile of the tiny model's shaders take minutes). wgpu's Vulkan backend numbers a
+    /// layout's bindings 0, 1, ... in binding order (wgpu-hal 30, `create_bind_group_layout`), so
+    /// binding `used[k]` is Vulkan binding k.
     fn spirv_options(entry: &str, used: &[u32]) -> naga::back::spv::Options<'static> {
         use naga::back::spv;
         use naga::proc::{BoundsCheckPolicies, BoundsCheckPolicy};
@@ -1965,13 +1976,8 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
                     let (m, info) = super::validate(file, subgroups, Exactness::NoContraction)
                         .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
                     for ep in &m.entry_points {
-                        let pipeline = naga::back::spv::PipelineOptions {
-                            shader_stage: naga::ShaderStage::Compute,
-                            entry_point: ep.name.clone(),
-                        };
                         let used = super::used_bindings(&m, &info, &ep.name).unwrap();
-                        let options = super::spirv_options(&ep.name, &used);
-                        let mut w = naga::back::spv::write_vec(&m, &info, &options, Some(&pipeline))
+                        let mut w = super::spirv_words(&m, &info, &ep.name, &used)
                             .unwrap_or_else(|e| panic!("{file}/{}: {e}", ep.name));
                         let before = w.len();
                         let n = no_contraction(&mut w).unwrap();
