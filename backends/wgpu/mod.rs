@@ -50,11 +50,61 @@ pub enum Exactness {
 /// The opaque identity's body in common.wgsl, which [`Exactness::NoContraction`] replaces.
 pub const OPAQUE_BODY: &str = "return bitcast<f32>(bitcast<u32>(x) ^ Z);";
 
+/// common.wgsl's residual by Dekker's product, which [`ShaderBuild::fused_fma`] replaces.
+pub const RESIDUAL_DEKKER: &str = "return residual_dekker(a, x, y);";
+/// The same residual by one fma().
+pub const RESIDUAL_FMA: &str = "return residual_fma(a, x, y);";
+
+/// One build of the shaders for an adapter: what [`shader_source`] puts together. Every build
+/// computes the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShaderBuild {
+    /// The 32-lane exchanges by subgroup shuffles, else through workgroup memory.
+    pub subgroups: bool,
+    pub exactness: Exactness,
+    /// The correctly rounded division's and square root's residuals by fma() (`residual_fma` in
+    /// common.wgsl), on adapters whose fma rounds once ([`fma_rounds_once`]); else by Dekker's
+    /// product. WGSL (and Vulkan) allow an fma to round twice, so this is probed, not assumed.
+    pub fused_fma: bool,
+}
+
+/// The fma probe's inputs (a, b, c): products of two values of 24 random bits at exponents from
+/// -20 to 20 and c the product rounded and negated (the residuals' case: a fused fma gives the
+/// product's rounding error, a split one 0); then a few with c random.
+#[cfg(feature = "wgpu")]
+pub fn fma_probe_inputs() -> Vec<[f32; 3]> {
+    let mut seed = 0x853c_49e6_748f_ea9bu64;
+    let mut value = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let e = (seed % 41) as u32 + 107;
+        let sign = ((seed >> 8) & 1) as u32;
+        f32::from_bits(sign << 31 | e << 23 | (seed >> 32) as u32 & 0x7f_ffff)
+    };
+    let mut out = Vec::with_capacity(64);
+    for i in 0..64 {
+        let (a, b) = (value(), value());
+        let c = if i < 48 { -(a * b) } else { value() };
+        out.push([a, b, c]);
+    }
+    out
+}
+
+/// Whether `outputs` are fma(a, b, c) rounded once for each of `inputs` (Rust's `mul_add` is
+/// IEEE's fused multiply-add).
+#[cfg(feature = "wgpu")]
+pub fn fma_rounds_once(inputs: &[[f32; 3]], outputs: &[f32]) -> bool {
+    inputs.len() == outputs.len()
+        && inputs.iter().zip(outputs).all(|([a, b, c], o)| a.mul_add(*b, *c).to_bits() == o.to_bits())
+}
+
 /// The WGSL source of one shader file as compiled: the numerics constants, `common.wgsl`, the
 /// lane reductions (subgroup shuffles or workgroup memory), `row_scale.wgsl` for the files that
 /// normalize rows, `sinkhorn.wgsl` for the files that run the HC split, then the file.
 #[cfg(feature = "wgpu")]
-pub fn shader_source(file: &str, subgroups: bool, exactness: Exactness) -> Option<String> {
+pub fn shader_source(file: &str, build: ShaderBuild) -> Option<String> {
+    let ShaderBuild { subgroups, exactness, fused_fma } = build;
     let body = match file {
         "matvec" => include_str!("../../shaders/matvec.wgsl"),
         "norm" => include_str!("../../shaders/norm.wgsl"),
@@ -68,6 +118,7 @@ pub fn shader_source(file: &str, subgroups: bool, exactness: Exactness) -> Optio
         "sample" => {
             concat!(include_str!("../../shaders/softfloat.wgsl"), "\n", include_str!("../../shaders/sample.wgsl"))
         }
+        "probe" => include_str!("../../shaders/probe.wgsl"),
         _ => return None,
     };
     let lanes = match subgroups {
@@ -98,10 +149,13 @@ pub fn shader_source(file: &str, subgroups: bool, exactness: Exactness) -> Optio
         }
         _ => "",
     };
-    let common = match exactness {
+    let mut common = match exactness {
         Exactness::OpaqueIdentity => include_str!("../../shaders/common.wgsl").to_string(),
         Exactness::NoContraction => include_str!("../../shaders/common.wgsl").replace(OPAQUE_BODY, "return x;"),
     };
+    if fused_fma {
+        common = common.replace(RESIDUAL_DEKKER, RESIDUAL_FMA);
+    }
     let layout = if file == "sample" { sample_constants() } else { String::new() };
     Some(format!("{}{layout}{common}\n{lanes}\n{row_scale}\n{sinkhorn}\n{body}", wgsl_constants()))
 }
@@ -128,8 +182,8 @@ fn sample_constants() -> String {
 }
 
 /// Every shader file.
-pub const SHADER_FILES: [&str; 10] =
-    ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe", "sample"];
+pub const SHADER_FILES: [&str; 11] =
+    ["matvec", "norm", "elementwise", "rope", "hc", "kv", "indexer", "attention", "moe", "sample", "probe"];
 
 /// SPIR-V opcodes of the float arithmetic that [`no_contraction`] decorates: FNegate, FAdd,
 /// FSub, FMul, FDiv, FRem, FMod and the vector and matrix products.
@@ -215,6 +269,11 @@ pub struct Tuning {
     /// lavapipe, whose compile takes 30x longer without the identity), unless
     /// `DS4_WGPU_SPIRV=off`. Same bits either way.
     pub spirv: Option<bool>,
+    /// The division and square-root residuals by fma() where a probe finds that the adapter's
+    /// fma rounds once ([`ShaderBuild::fused_fma`]); `Some(true)` makes a split fma an error,
+    /// `Some(false)` keeps Dekker's product. Default: as the probe finds, unless
+    /// `DS4_WGPU_FMA=off`. Same bits either way.
+    pub fused_fma: Option<bool>,
 }
 
 #[cfg(feature = "wgpu")]
@@ -244,9 +303,8 @@ mod imp {
         timestamps: bool,
         max_binding: u64,
         rows: bool,
-        subgroups: bool,
+        shaders: super::ShaderBuild,
         moe_down_pairs: bool,
-        exactness: super::Exactness,
         errors: Arc<Mutex<Vec<String>>>,
     }
 
@@ -264,6 +322,64 @@ mod imp {
     #[cfg(target_vendor = "apple")]
     fn vulkan_1_3(_adapter: &wgpu::Adapter) -> bool {
         false
+    }
+
+    /// Runs the fma probe (shaders/probe.wgsl) in the build the shaders will have and says whether
+    /// the adapter's fma() rounded once on every input ([`super::fma_rounds_once`]).
+    fn probe_fma(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        build: super::ShaderBuild,
+        errors: &Mutex<Vec<String>>,
+    ) -> Result<bool, BackendError> {
+        use wgpu::util::DeviceExt;
+        let inputs = super::fma_probe_inputs();
+        let n = inputs.len();
+        let mut values: Vec<f32> = inputs.iter().flatten().copied().collect();
+        values.resize(4 * n, 0.0);
+        let shader = ShaderFile::new(device, "probe", build)?;
+        let pipeline = shader.pipeline(device, "fma_probe")?;
+        let v = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("fma probe"),
+            contents: bytemuck::cast_slice(&values),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        });
+        let staging = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("fma probe read-back"),
+            size: 4 * n as u64,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("fma probe"),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &[wgpu::BindGroupEntry { binding: 2, resource: v.as_entire_binding() }],
+        });
+        let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("fma probe") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(1, 1, 1);
+        }
+        enc.copy_buffer_to_buffer(&v, 12 * n as u64, &staging, 0, 4 * n as u64);
+        queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| err(format!("device lost: {e}")))?;
+        rx.recv()
+            .map_err(|_| err("the fma probe's read-back never completed"))?
+            .map_err(|e| err(format!("cannot read the fma probe back: {e}")))?;
+        let out: Vec<f32> = bytemuck::cast_slice(
+            &staging.get_mapped_range(..).map_err(|e| err(format!("cannot map the fma probe: {e}")))?,
+        )
+        .to_vec();
+        if let Some(e) = errors.lock().map_err(|_| err("the error log is poisoned"))?.drain(..).next() {
+            return Err(err(format!("the fma probe: {e}")));
+        }
+        Ok(super::fma_rounds_once(&inputs, &out))
     }
 
     impl WgpuBackend {
@@ -361,29 +477,29 @@ mod imp {
             let moe_down_pairs = tuning
                 .moe_down_pairs
                 .unwrap_or_else(|| std::env::var("DS4_WGPU_MOE_DOWN").map_or(true, |v| v != "single"));
-            Ok(WgpuBackend {
-                device,
-                queue,
-                info,
-                timestamps,
-                max_binding,
-                rows,
-                subgroups,
-                moe_down_pairs,
-                exactness,
-                errors,
-            })
+            let mut shaders = super::ShaderBuild { subgroups, exactness, fused_fma: false };
+            let try_fma =
+                tuning.fused_fma.unwrap_or_else(|| std::env::var("DS4_WGPU_FMA").map_or(true, |v| v != "off"));
+            shaders.fused_fma = try_fma && probe_fma(&device, &queue, shaders, &errors)?;
+            if tuning.fused_fma == Some(true) && !shaders.fused_fma {
+                return Err(err(format!("{}: fma() does not round once on this adapter (the probe)", info.name)));
+            }
+            Ok(WgpuBackend { device, queue, info, timestamps, max_binding, rows, shaders, moe_down_pairs, errors })
         }
 
         /// The adapter's name and API, for the run's header.
         pub fn adapter(&self) -> String {
-            let lanes = if self.subgroups { "subgroup butterfly" } else { "workgroup-memory butterfly" };
+            let lanes = if self.shaders.subgroups { "subgroup butterfly" } else { "workgroup-memory butterfly" };
             let rows = if self.rows { "one invocation per row" } else { "32 lanes per row" };
-            let exact = match self.exactness {
+            let exact = match self.shaders.exactness {
                 super::Exactness::OpaqueIdentity => "WGSL with the opaque identity",
                 super::Exactness::NoContraction => "SPIR-V with NoContraction",
             };
-            format!("{} ({:?}, {}; {rows}, {lanes}, {exact})", self.info.name, self.info.backend, self.info.driver)
+            let residuals = if self.shaders.fused_fma { "fma residuals" } else { "Dekker residuals" };
+            format!(
+                "{} ({:?}, {}; {rows}, {lanes}, {exact}, {residuals})",
+                self.info.name, self.info.backend, self.info.driver
+            )
         }
     }
 
@@ -594,12 +710,8 @@ mod imp {
     }
 
     /// Parses and validates one shader file with naga.
-    pub fn validate(
-        file: &str,
-        subgroups: bool,
-        exactness: super::Exactness,
-    ) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
-        let src = super::shader_source(file, subgroups, exactness).ok_or_else(|| format!("no shader file {file}"))?;
+    pub fn validate(file: &str, build: super::ShaderBuild) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
+        let src = super::shader_source(file, build).ok_or_else(|| format!("no shader file {file}"))?;
         let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
         let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
             .validate(&module)
@@ -638,18 +750,12 @@ mod imp {
     }
 
     impl ShaderFile {
-        fn new(
-            device: &wgpu::Device,
-            file: &'static str,
-            subgroups: bool,
-            exactness: super::Exactness,
-        ) -> Result<Self, BackendError> {
-            let (module, info) =
-                validate(file, subgroups, exactness).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
-            let wgsl = match exactness {
+        fn new(device: &wgpu::Device, file: &'static str, build: super::ShaderBuild) -> Result<Self, BackendError> {
+            let (module, info) = validate(file, build).map_err(|e| err(format!("shaders/{file}.wgsl: {e}")))?;
+            let wgsl = match build.exactness {
                 super::Exactness::NoContraction => None,
                 super::Exactness::OpaqueIdentity => {
-                    let src = super::shader_source(file, subgroups, exactness).unwrap_or_default();
+                    let src = super::shader_source(file, build).unwrap_or_default();
                     let desc = wgpu::ShaderModuleDescriptor {
                         label: Some(file),
                         source: wgpu::ShaderSource::Wgsl(src.into()),
@@ -805,8 +911,7 @@ mod imp {
         /// The sampler's buffers, pipelines and bind groups, over `logits` (`n` values).
         fn new(
             device: &wgpu::Device,
-            subgroups: bool,
-            exactness: super::Exactness,
+            build: super::ShaderBuild,
             params: &wgpu::Buffer,
             logits: &wgpu::Buffer,
             n: usize,
@@ -828,7 +933,7 @@ mod imp {
             let st = buffer("sampler state", super::SAMPLE_ST_PART + 2 * groups, storage);
             let hist = buffer("sampler histogram", 260, storage);
             let sp = buffer("sampler params", 8, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST);
-            let shader = ShaderFile::new(device, "sample", subgroups, exactness)?;
+            let shader = ShaderFile::new(device, "sample", build)?;
             let mut passes = Vec::with_capacity(SAMPLE_ENTRIES.len());
             for entry in SAMPLE_ENTRIES {
                 let pipeline = shader.pipeline(device, entry)?;
@@ -1001,7 +1106,7 @@ mod imp {
             for (i, d) in all.iter().enumerate() {
                 let file = plan::shader_of(d.entry).ok_or_else(|| err(format!("no shader has '{}'", d.entry)))?;
                 if !modules.contains_key(file) {
-                    modules.insert(file, ShaderFile::new(&device, file, be.subgroups, be.exactness)?);
+                    modules.insert(file, ShaderFile::new(&device, file, be.shaders)?);
                 }
                 let shader = &modules[file];
                 let p = match shared.pipeline_of.get(d.entry) {
@@ -1048,7 +1153,7 @@ mod imp {
             }
             let single_ops = dispatches.split_off(plan.dispatches.len());
             let logits = &bufs[program.logits().0 as usize];
-            let sampler = DeviceSampler::new(&device, be.subgroups, be.exactness, &params, logits, program.n_vocab())?;
+            let sampler = DeviceSampler::new(&device, be.shaders, &params, logits, program.n_vocab())?;
             let mut exe = WgpuExecutable {
                 program,
                 device,
@@ -1935,10 +2040,12 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
         /// name exists in the file `shader_of` gives.
         #[test]
         fn every_shader_validates_with_naga() {
+            use super::super::{Exactness, ShaderBuild};
             for file in super::super::SHADER_FILES {
-                for subgroups in [false, true] {
-                    let (m, _) = super::validate(file, subgroups, super::super::Exactness::OpaqueIdentity)
-                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
+                for (subgroups, fused_fma) in [(false, false), (true, false), (true, true)] {
+                    let build = ShaderBuild { subgroups, exactness: Exactness::OpaqueIdentity, fused_fma };
+                    let (m, _) = super::validate(file, build)
+                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl ({build:?}):\n{e}"));
                     assert!(!m.entry_points.is_empty(), "{file}");
                     for ep in &m.entry_points {
                         assert_eq!(super::plan::shader_of(&ep.name), Some(file), "entry {}", ep.name);
@@ -1966,15 +2073,16 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
         /// the first type), with the instruction stream still well formed.
         #[test]
         fn every_entry_point_compiles_to_spirv_with_every_float_operation_no_contraction() {
-            use super::super::{no_contraction, shader_source, Exactness, OPAQUE_BODY, SHADER_FILES};
+            use super::super::{no_contraction, shader_source, Exactness, ShaderBuild, OPAQUE_BODY, SHADER_FILES};
             let common = include_str!("../../shaders/common.wgsl");
             assert_eq!(common.matches(OPAQUE_BODY).count(), 1, "common.wgsl's opaque identity");
             for file in SHADER_FILES {
-                for subgroups in [false, true] {
-                    let src = shader_source(file, subgroups, Exactness::NoContraction).unwrap();
+                for (subgroups, fused_fma) in [(false, false), (true, true)] {
+                    let build = ShaderBuild { subgroups, exactness: Exactness::NoContraction, fused_fma };
+                    let src = shader_source(file, build).unwrap();
                     assert!(!src.contains(OPAQUE_BODY), "{file}");
-                    let (m, info) = super::validate(file, subgroups, Exactness::NoContraction)
-                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl (subgroups {subgroups}):\n{e}"));
+                    let (m, info) = super::validate(file, build)
+                        .unwrap_or_else(|e| panic!("shaders/{file}.wgsl ({build:?}):\n{e}"));
                     for ep in &m.entry_points {
                         let used = super::used_bindings(&m, &info, &ep.name).unwrap();
                         let mut w = super::spirv_words(&m, &info, &ep.name, &used)
@@ -2010,6 +2118,82 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
             assert!(no_contraction(&mut vec![1, 2, 3]).is_err());
             assert!(no_contraction(&mut vec![0x0723_0203, 0x10600, 0, 10, 0, (9 << 16) | 17]).is_err());
             assert!(no_contraction(&mut vec![0x0723_0203, 0x10600, 0, 10, 0, (2 << 16) | 17, 1]).is_err());
+        }
+
+        /// The fma build swaps exactly the residual's body: common.wgsl calls Dekker's once, and
+        /// every file of the fma build calls residual_fma instead.
+        #[test]
+        fn the_fma_build_swaps_the_residual() {
+            use super::super::{shader_source, Exactness, ShaderBuild, RESIDUAL_DEKKER, RESIDUAL_FMA, SHADER_FILES};
+            let common = include_str!("../../shaders/common.wgsl");
+            assert_eq!(common.matches(RESIDUAL_DEKKER).count(), 1);
+            assert_eq!(common.matches(RESIDUAL_FMA).count(), 0);
+            for file in SHADER_FILES {
+                for fused_fma in [false, true] {
+                    let build = ShaderBuild { subgroups: true, exactness: Exactness::NoContraction, fused_fma };
+                    let src = shader_source(file, build).unwrap();
+                    assert_eq!(src.contains(RESIDUAL_FMA), fused_fma, "{file}");
+                    assert_eq!(src.contains(RESIDUAL_DEKKER), !fused_fma, "{file}");
+                }
+            }
+        }
+
+        /// The probe tells an fma that rounds once from one that rounds the product first: on
+        /// most of its inputs the two differ, and one wrong bit or a missing output fails it.
+        #[test]
+        fn the_fma_probe_tells_a_fused_fma_from_a_split_one() {
+            use super::super::{fma_probe_inputs, fma_rounds_once};
+            let inputs = fma_probe_inputs();
+            let fused: Vec<f32> = inputs.iter().map(|[a, b, c]| a.mul_add(*b, *c)).collect();
+            let split: Vec<f32> = inputs.iter().map(|[a, b, c]| a * b + c).collect();
+            assert!(fma_rounds_once(&inputs, &fused));
+            assert!(!fma_rounds_once(&inputs, &split));
+            let differ = fused.iter().zip(&split).filter(|(f, s)| f.to_bits() != s.to_bits()).count();
+            assert!(differ >= 40, "only {differ} of {} inputs tell the two apart", inputs.len());
+            for i in [0, 17, inputs.len() - 1] {
+                let mut one_off = fused.clone();
+                one_off[i] = f32::from_bits(one_off[i].to_bits() ^ 1);
+                assert!(!fma_rounds_once(&inputs, &one_off), "output {i} one bit off");
+            }
+            assert!(!fma_rounds_once(&inputs, &fused[1..]));
+        }
+
+        /// What makes the fma build exact: for the operands fdiv and sqrt_rn give the residual
+        /// (a quotient or root guess within 3 ulp, exponents in range), Dekker's residual as
+        /// common.wgsl computes it (every operation rounded once, as Rust's f32 does) is a - x*y
+        /// rounded once, which is what one fma gives. Bit for bit, over 200,000 cases.
+        #[test]
+        fn dekkers_residual_is_the_fma_residual() {
+            fn split12(x: f32) -> (f32, f32) {
+                let t = 4097.0 * x;
+                let hi = t - (t - x);
+                (hi, x - hi)
+            }
+            fn dekker(a: f32, x: f32, y: f32) -> f32 {
+                let p = x * y;
+                let (xh, xl) = split12(x);
+                let (yh, yl) = split12(y);
+                let e = (((xh * yh - p) + xh * yl) + xl * yh) + xl * yl;
+                (a - p) - e
+            }
+            let moved = |x: f32, k: i32| f32::from_bits((x.to_bits() as i32 + k) as u32);
+            let mut seed = 0x1234_5678_9abc_def1u64;
+            let mut next = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            // Magnitudes from 2^-30 to 2^30.
+            let mag = |r: u64| f32::from_bits((((r % 60) as u32 + 97) << 23) | (r >> 40) as u32 & 0x7f_ffff);
+            for i in 0..100_000i32 {
+                let (a, b) = (mag(next()), if next() % 2 == 0 { mag(next()) } else { -mag(next()) });
+                let k = i % 7 - 3;
+                let q = moved(a / b, k);
+                assert_eq!(dekker(a, q, b).to_bits(), (-q).mul_add(b, a).to_bits(), "{a:e} / {b:e}, {k} ulp");
+                let s = moved(a.sqrt(), k);
+                assert_eq!(dekker(a, s, s).to_bits(), (-s).mul_add(s, a).to_bits(), "sqrt {a:e}, {k} ulp");
+            }
         }
     }
 }

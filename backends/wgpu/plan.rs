@@ -130,6 +130,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "sample_pick"
         | "sample_gather"
         | "sample_final" => "sample",
+        "fma_probe" => "probe",
         _ => return None,
     })
 }
