@@ -9,6 +9,8 @@
 // hc_post_add's second block and the sum it stores.
 @group(0) @binding(9) var<storage, read_write> B3: array<f32>;
 @group(0) @binding(10) var<storage, read_write> SUM: array<f32>;
+// hc_post_add_moe: the routed experts' slot outputs (slot s at s * n), as moe_sum reads them.
+@group(0) @binding(11) var<storage, read> SLOTS: array<f32>;
 // Small weight vectors (HC scale and base), as f32.
 @group(0) @binding(6) var<storage, read> V0: array<f32>;
 @group(0) @binding(7) var<storage, read> V1: array<f32>;
@@ -215,6 +217,32 @@ fn hc_post_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     let d = i % n;
     let block = fadd(B0[d], B3[d]);
+    if (i < n) {
+        SUM[d] = block;
+    }
+    OUT[i] = post_mix(block, i, n, n_hc);
+}
+
+// hc_post_add whose first block is the routed experts' output, summed here as moe_sum does it:
+// the n_used slots' values added in slot order from +0 (args: n, n_hc, n_used).
+@compute @workgroup_size(256)
+fn hc_post_add_moe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let n_hc = arg(1u);
+    let i = group_index(wid, nwg) * 256u + lid;
+    if (i >= n * n_hc) {
+        return;
+    }
+    let d = i % n;
+    var moe = zero();
+    for (var s = 0u; s < arg(2u); s = s + 1u) {
+        moe = fadd(moe, SLOTS[s * n + d]);
+    }
+    let block = fadd(moe, B3[d]);
     if (i < n) {
         SUM[d] = block;
     }

@@ -109,6 +109,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "hc_weighted_sum"
         | "hc_post"
         | "hc_post_add"
+        | "hc_post_add_moe"
         | "hc_head_weights" => "hc",
         "fp8_round_trip" | "indexer_qat" | "store_raw" | "store_comp_row" | "compressor_store" | "compressor_pool"
         | "compressor_shift" => "kv",
@@ -206,12 +207,20 @@ struct Builder<'a> {
     /// Q2_K down projections two rows to a lane group (`moe_down_q2_k_pairs`, one read of the
     /// activation block for both), else one (`moe_down`): `Tuning::moe_down_pairs`.
     moe_down_pairs: bool,
+    /// A routed-expert sum left to the HC post that adds it (`hc_post_add_moe`, the MoE op's last
+    /// dispatch in all but name): the MoE's output buffer, out_dim and n_used.
+    moe_sum_later: Option<(Buf, u32, u32)>,
 }
 
 impl Builder<'_> {
     fn push(&mut self, entry: &'static str, groups: u32, args: Vec<u32>, binds: Vec<(u32, Res)>) {
         let fused = self.absorbed.clone();
         self.out.push(Dispatch { op: self.op, fused, entry, groups, cond: self.cond, args, binds });
+    }
+    /// The routed experts' slot outputs added in slot order into `out`.
+    fn push_moe_sum(&mut self, out: Buf, out_dim: u32, n_used: u32) {
+        let binds = vec![(10, Res::Buf(out)), (11, Res::Scratch(Scratch::Partial))];
+        self.push("moe_sum", groups(out_dim as usize, 256), vec![out_dim, n_used], binds);
     }
     fn need(&mut self, s: Scratch, bytes: u64) {
         match self.need.iter_mut().find(|(k, _)| *k == s) {
@@ -284,6 +293,39 @@ impl Builder<'_> {
         false
     }
     /// Marks op `k` as computed by the current op's dispatches.
+    /// Whether the routed experts' sum into `out` (the current op's) can be left to the HC post
+    /// that adds it (`hc_post_add_moe`): the first later op to touch `out` is an Add of it as
+    /// `a` under this op's predicate, the HcPost of that sum comes right after, no MoE between
+    /// writes the slots' outputs (`Scratch::Partial`), and nothing after the Add reads `out`.
+    fn moe_sum_in_hc_post(&self, out: Buf) -> bool {
+        let steps = self.program.steps();
+        let touches = |k: usize| steps[k].op.reads().contains(&out) || steps[k].op.writes().contains(&out);
+        let Some(k) = (self.op + 1..steps.len()).find(|&k| touches(k)) else {
+            return false;
+        };
+        let Op::Add { a, b, out: sum } = steps[k].op else {
+            return false;
+        };
+        if !self.fuse || self.done[k] || a != out || b == out || pack_cond(steps[k].cond) != self.cond {
+            return false;
+        }
+        if steps[self.op + 1..k].iter().any(|st| matches!(st.op, Op::MoeExperts { .. })) {
+            return false;
+        }
+        if !matches!(steps.get(k + 1).map(|st| &st.op), Some(Op::HcPost { block, .. }) if *block == sum) {
+            return false;
+        }
+        for st in &steps[k + 1..] {
+            if st.op.reads().contains(&out) {
+                return false;
+            }
+            if st.op.writes().contains(&out) {
+                break;
+            }
+        }
+        true
+    }
+
     fn absorb(&mut self, k: usize) {
         self.done[k] = true;
         self.absorbed.push(k);
@@ -1141,8 +1183,11 @@ impl Builder<'_> {
                         }
                     }
                 }
-                let binds = vec![(10, Res::Buf(out)), (11, Res::Scratch(Scratch::Partial))];
-                self.push("moe_sum", groups(out_dim as usize, 256), vec![out_dim as u32, n_used as u32], binds);
+                if self.moe_sum_in_hc_post(out) {
+                    self.moe_sum_later = Some((out, out_dim as u32, n_used as u32));
+                } else {
+                    self.push_moe_sum(out, out_dim as u32, n_used as u32);
+                }
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
@@ -1158,12 +1203,14 @@ impl Builder<'_> {
             Op::Add { a, b, out } => {
                 let n = self.len(out);
                 // An HcPost of the sum right after: one dispatch adds and mixes.
+                // `a` may be a routed-expert sum left to this dispatch (moe_sum_in_hc_post).
+                let moe = self.moe_sum_later.take_if(|m| m.0 == a);
                 if let Some((j, &Op::HcPost { block, residual, split, out: post_out, n_hc })) = self.next_op() {
                     let bufs = [a, b, out, residual, split, post_out];
                     let distinct = (0..6).all(|i| (i + 1..6).all(|k| bufs[i] != bufs[k]));
-                    if self.fuse && block == out && distinct {
+                    if self.fuse && block == out && distinct && moe.is_none_or(|m| m.1 as usize == n) {
                         self.absorb(j);
-                        let binds = vec![
+                        let mut binds = vec![
                             (2, Res::Buf(a)),
                             (3, Res::Buf(residual)),
                             (4, Res::Buf(split)),
@@ -1171,9 +1218,19 @@ impl Builder<'_> {
                             (9, Res::Buf(b)),
                             (10, Res::Buf(out)),
                         ];
-                        self.push("hc_post_add", groups(n * n_hc as usize, 256), vec![n as u32, n_hc], binds);
+                        let g = groups(n * n_hc as usize, 256);
+                        match moe {
+                            Some((_, _, n_used)) => {
+                                binds.push((11, Res::Scratch(Scratch::Partial)));
+                                self.push("hc_post_add_moe", g, vec![n as u32, n_hc, n_used], binds);
+                            }
+                            None => self.push("hc_post_add", g, vec![n as u32, n_hc], binds),
+                        }
                         return Ok(());
                     }
+                }
+                if let Some((moe_out, out_dim, n_used)) = moe {
+                    self.push_moe_sum(moe_out, out_dim, n_used);
                 }
                 let binds = vec![(2, Res::Buf(a)), (3, Res::Buf(b)), (4, Res::Buf(out))];
                 self.push("add", groups(n, 256), vec![n as u32], binds);
@@ -1220,6 +1277,7 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         q8_short_rows: std::env::var("DS4_WGPU_Q8_ROWS").map_or(true, |v| v != "1"),
         hc_split_old: std::env::var("DS4_WGPU_HC_SPLIT").is_ok_and(|v| v == "old"),
         moe_down_pairs,
+        moe_sum_later: None,
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1237,6 +1295,9 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         // which a norm or SwiGLU writes, is added back by the op).
         b.q8_written(&step.op.writes());
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
+    }
+    if let Some((out, ..)) = b.moe_sum_later {
+        return Err(format!("the routed experts' sum into buffer {} was left to an HC post that never came", out.0));
     }
     for d in &b.out {
         if d.args.len() > 28 {
@@ -1459,6 +1520,8 @@ mod tests {
         assert_eq!(by.get("store_raw"), None);
         // The Q2_K down projections two rows to a lane group.
         assert_eq!((by["moe_down_q2_k_pairs"], by.get("moe_down")), (4, None));
-        assert!(fused.dispatches.len() <= 127, "{} dispatches", fused.dispatches.len());
+        // The routed experts' slot sums inside the HC post that adds the shared expert.
+        assert_eq!((by.get("moe_sum"), by["hc_post_add_moe"], by.get("hc_post_add")), (None, 4, None));
+        assert!(fused.dispatches.len() <= 123, "{} dispatches", fused.dispatches.len());
     }
 }
