@@ -134,6 +134,19 @@ fn an_adapter_that_is_not_there_is_a_clear_error() {
     assert!(e.to_string().contains("no-such-adapter-xyz") && e.to_string().contains("adapters found"), "{e}");
 }
 
+/// Asking for the fma residuals gets them where the start-up probe found an fma that rounds once,
+/// and a clear error elsewhere (lavapipe rounds the product first), never Dekker's silently; asking
+/// for Dekker's gets them on any adapter.
+#[test]
+fn the_fma_residuals_are_had_where_the_probe_allows_them_or_refused() {
+    match WgpuBackend::new(None, Tuning { fused_fma: Some(true), ..Tuning::default() }) {
+        Ok(be) => assert!(be.adapter().contains("fma residuals"), "{}", be.adapter()),
+        Err(e) => assert!(e.to_string().contains("does not round once"), "{e}"),
+    }
+    let dekker = wgpu_tuned(Tuning { fused_fma: Some(false), ..Tuning::default() });
+    assert!(dekker.adapter().contains("Dekker residuals"), "{}", dekker.adapter());
+}
+
 /// The indexer's top-k on wgpu (a radix select) equals the CPU's pick on crafted scores: ties,
 /// NaN, -1e30, infinities, signed zeros, fewer pickable rows than k, several workgroups' rows.
 #[test]
