@@ -209,18 +209,10 @@ fn hc_post_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (!guard()) {
         return;
     }
-    let n = arg(0u);
-    let n_hc = arg(1u);
     let i = group_index(wid, nwg) * 256u + lid;
-    if (i >= n * n_hc) {
-        return;
+    if (i < arg(0u) * arg(1u)) {
+        post_add(i, B0[i % arg(0u)]);
     }
-    let d = i % n;
-    let block = fadd(B0[d], B3[d]);
-    if (i < n) {
-        SUM[d] = block;
-    }
-    OUT[i] = post_mix(block, i, n, n_hc);
 }
 
 // hc_post_add whose first block is the routed experts' output, summed here as moe_sum does it:
@@ -232,19 +224,23 @@ fn hc_post_add_moe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         return;
     }
     let n = arg(0u);
-    let n_hc = arg(1u);
     let i = group_index(wid, nwg) * 256u + lid;
-    if (i >= n * n_hc) {
-        return;
+    if (i < n * arg(1u)) {
+        var moe = zero();
+        for (var s = 0u; s < arg(2u); s = s + 1u) {
+            moe = fadd(moe, SLOTS[s * n + i % n]);
+        }
+        post_add(i, moe);
     }
+}
+
+// Output i (< n * n_hc) of hc_post_add and hc_post_add_moe, whose first block is `a` there.
+fn post_add(i: u32, a: f32) {
+    let n = arg(0u);
     let d = i % n;
-    var moe = zero();
-    for (var s = 0u; s < arg(2u); s = s + 1u) {
-        moe = fadd(moe, SLOTS[s * n + d]);
-    }
-    let block = fadd(moe, B3[d]);
+    let block = fadd(a, B3[d]);
     if (i < n) {
         SUM[d] = block;
     }
-    OUT[i] = post_mix(block, i, n, n_hc);
+    OUT[i] = post_mix(block, i, n, arg(1u));
 }

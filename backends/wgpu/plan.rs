@@ -292,7 +292,6 @@ impl Builder<'_> {
         }
         false
     }
-    /// Marks op `k` as computed by the current op's dispatches.
     /// Whether the routed experts' sum into `out` (the current op's) can be left to the HC post
     /// that adds it (`hc_post_add_moe`): the first later op to touch `out` is an Add of it as
     /// `a` under this op's predicate, the HcPost of that sum comes right after, no MoE between
@@ -326,6 +325,7 @@ impl Builder<'_> {
         true
     }
 
+    /// Marks op `k` as computed by the current op's dispatches.
     fn absorb(&mut self, k: usize) {
         self.done[k] = true;
         self.absorbed.push(k);
