@@ -73,11 +73,9 @@ pub struct ShaderBuild {
 /// product's rounding error, a split one 0); then a few with c random.
 #[cfg(feature = "wgpu")]
 pub fn fma_probe_inputs() -> Vec<[f32; 3]> {
-    let mut seed = 0x853c_49e6_748f_ea9bu64;
+    let mut next = xorshift64(0x853c_49e6_748f_ea9b);
     let mut value = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
+        let seed = next();
         let e = (seed % 41) as u32 + 107;
         let sign = ((seed >> 8) & 1) as u32;
         f32::from_bits(sign << 31 | e << 23 | (seed >> 32) as u32 & 0x7f_ffff)
@@ -89,6 +87,17 @@ pub fn fma_probe_inputs() -> Vec<[f32; 3]> {
         out.push([a, b, c]);
     }
     out
+}
+
+/// Marsaglia's xorshift (13, 7, 17) from `seed`: the probe's inputs and the shader tests' cases.
+#[cfg(feature = "wgpu")]
+fn xorshift64(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
 }
 
 /// Whether `outputs` are fma(a, b, c) rounded once for each of `inputs` (Rust's `mul_add` is
@@ -324,6 +333,35 @@ mod imp {
         false
     }
 
+    /// The first validation or device error wgpu reported into `errors` since the last check.
+    fn first_error(errors: &Mutex<Vec<String>>) -> Result<(), BackendError> {
+        let first = errors.lock().map_err(|_| err("the error log is poisoned"))?.drain(..).next();
+        match first {
+            Some(e) => Err(err(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// The first `bytes` (a multiple of 4) of `staging`, mapped once `wait` (which polls the
+    /// device until the copy into it is done) succeeds.
+    fn read_mapped(
+        staging: &wgpu::Buffer,
+        bytes: u64,
+        wait: impl FnOnce() -> Result<(), BackendError>,
+    ) -> Result<Vec<u8>, BackendError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
+            let _ = tx.send(r);
+        });
+        wait()?;
+        rx.recv()
+            .map_err(|_| err("the read-back never completed"))?
+            .map_err(|e| err(format!("cannot read a buffer back: {e}")))?;
+        let out = staging.get_mapped_range(..bytes).map_err(|e| err(format!("cannot map: {e}")))?.to_vec();
+        staging.unmap();
+        Ok(out)
+    }
+
     /// Runs the fma probe (shaders/probe.wgsl) in the build the shaders will have and says whether
     /// the adapter's fma() rounded once on every input ([`super::fma_rounds_once`]).
     fn probe_fma(
@@ -364,21 +402,12 @@ mod imp {
         }
         enc.copy_buffer_to_buffer(&v, 12 * n as u64, &staging, 0, 4 * n as u64);
         queue.submit([enc.finish()]);
-        let (tx, rx) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
-            let _ = tx.send(r);
-        });
-        device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| err(format!("device lost: {e}")))?;
-        rx.recv()
-            .map_err(|_| err("the fma probe's read-back never completed"))?
-            .map_err(|e| err(format!("cannot read the fma probe back: {e}")))?;
-        let out: Vec<f32> = bytemuck::cast_slice(
-            &staging.get_mapped_range(..).map_err(|e| err(format!("cannot map the fma probe: {e}")))?,
-        )
-        .to_vec();
-        if let Some(e) = errors.lock().map_err(|_| err("the error log is poisoned"))?.drain(..).next() {
-            return Err(err(format!("the fma probe: {e}")));
-        }
+        let wait = || {
+            device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| err(format!("device lost: {e}")))?;
+            first_error(errors)
+        };
+        let bytes = read_mapped(&staging, 4 * n as u64, wait).map_err(|e| err(format!("the fma probe: {}", e.msg)))?;
+        let out: Vec<f32> = bytemuck::cast_slice(&bytes).to_vec();
         Ok(super::fma_rounds_once(&inputs, &out))
     }
 
@@ -1433,12 +1462,7 @@ mod imp {
 
         /// The first validation or device error wgpu reported since the last check.
         fn check_errors(&self) -> Result<(), BackendError> {
-            let mut v = self.errors.lock().map_err(|_| err("the error log is poisoned"))?;
-            let first = v.drain(..).next();
-            match first {
-                Some(e) => Err(err(e)),
-                None => Ok(()),
-            }
+            first_error(&self.errors)
         }
 
         fn wait(&self) -> Result<(), BackendError> {
@@ -1516,18 +1540,7 @@ mod imp {
         /// The first `bytes` (a multiple of 4) of the read-back buffer, once the GPU has written
         /// them. After a failure the buffer is dropped (its map may still be pending).
         fn map_read(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, BackendError> {
-            let (tx, rx) = std::sync::mpsc::channel();
-            staging.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
-                let _ = tx.send(r);
-            });
-            let out = self.wait().and_then(|_| {
-                rx.recv()
-                    .map_err(|_| err("the read-back never completed"))?
-                    .map_err(|e| err(format!("cannot read a buffer back: {e}")))?;
-                let out = staging.get_mapped_range(..bytes).map_err(|e| err(format!("cannot map: {e}")))?.to_vec();
-                staging.unmap();
-                Ok(out)
-            });
+            let out = read_mapped(staging, bytes, || self.wait());
             if out.is_err() {
                 *self.staging.borrow_mut() = None;
             }
@@ -1922,18 +1935,12 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 ";
             let n = 20000usize;
-            let mut seed = 0x2545_f491_4f6c_dd1du64;
-            let mut next = || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed
-            };
+            let mut next = super::super::xorshift64(0x2545_f491_4f6c_dd1d);
             // Magnitudes from 2^-15 to 2^15, both signs for b; a > 0 for the square root.
             let mag = |r: u64| f32::from_bits((((r % 30) as u32 + 112) << 23) | (r >> 40) as u32 & 0x7f_ffff);
             let mut data = vec![0f32; 6 * n];
             for c in data.chunks_exact_mut(6) {
-                let (a, b) = (mag(next()), if next() % 2 == 0 { mag(next()) } else { -mag(next()) });
+                let (a, b) = (mag(next()), if next().is_multiple_of(2) { mag(next()) } else { -mag(next()) });
                 c.copy_from_slice(&[a, b, a / b, a.sqrt(), 0.0, 0.0]);
             }
             let want: Vec<(f32, f32)> = data.chunks_exact(6).map(|c| (c[2], c[3])).collect();
@@ -1973,13 +1980,8 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
 ",
                 include_str!("../../shaders/softfloat.wgsl")
             );
-            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-            let mut next = || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed >> 16) as u32
-            };
+            let mut words = super::super::xorshift64(0x9e37_79b9_7f4a_7c15);
+            let mut next = || (words() >> 16) as u32;
             let special = [0u32, 0x8000_0000, 1, 0x8000_0001, 0x007f_ffff, 0x0080_0000, 0x3f80_0000, 0x7f7f_ffff];
             let special2 = [0x7f80_0000u32, 0xff80_0000, 0x7fc0_0000, 0x0d80_0000, 0x0d7f_ffff, 0x3400_0000];
             let operand = |next: &mut dyn FnMut() -> u32| -> u32 {
@@ -2177,17 +2179,11 @@ fn check(@builtin(global_invocation_id) gid: vec3<u32>) {{
                 (a - p) - e
             }
             let moved = |x: f32, k: i32| f32::from_bits((x.to_bits() as i32 + k) as u32);
-            let mut seed = 0x1234_5678_9abc_def1u64;
-            let mut next = || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed
-            };
+            let mut next = super::super::xorshift64(0x1234_5678_9abc_def1);
             // Magnitudes from 2^-30 to 2^30.
             let mag = |r: u64| f32::from_bits((((r % 60) as u32 + 97) << 23) | (r >> 40) as u32 & 0x7f_ffff);
             for i in 0..100_000i32 {
-                let (a, b) = (mag(next()), if next() % 2 == 0 { mag(next()) } else { -mag(next()) });
+                let (a, b) = (mag(next()), if next().is_multiple_of(2) { mag(next()) } else { -mag(next()) });
                 let k = i % 7 - 3;
                 let q = moved(a / b, k);
                 assert_eq!(dekker(a, q, b).to_bits(), (-q).mul_add(b, a).to_bits(), "{a:e} / {b:e}, {k} ulp");
