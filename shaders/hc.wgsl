@@ -161,8 +161,10 @@ fn hc_weighted_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     OUT[d] = acc;
 }
 
-// args: n, n_hc. out[dst][d] = post[dst]*block[d] + sum_src comb[dst + src*n_hc] * residual[src][d]
-// (block: B0, residual: B1, split: B2).
+// args: n, n_hc, with_ss. out[dst][d] = post[dst]*block[d] + sum_src comb[dst + src*n_hc] *
+// residual[src][d] (block: B0, residual: B1, split: B2). The HC posts' invocations hold 4 outputs
+// each, laid out as the RMS norm sums them (`post_at`); with_ss != 0 also stores their sums of
+// squares (`store_sum_sq`).
 @compute @workgroup_size(256)
 fn hc_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
@@ -171,11 +173,62 @@ fn hc_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
     let n = arg(0u);
     let n_hc = arg(1u);
-    let i = group_index(wid, nwg) * 256u + lid;
-    if (i >= n * n_hc) {
+    let i0 = post_at(group_index(wid, nwg), lid);
+    var v = vec4<f32>();
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let i = i0 + k;
+        if (i < n * n_hc) {
+            v[k] = post_mix(B0[i % n], i, n, n_hc);
+            OUT[i] = v[k];
+        }
+    }
+    store_sum_sq(group_index(wid, nwg), lid, v, i0, n * n_hc, arg(2u) != 0u);
+}
+
+// The HC posts' output chunks' sums of squares (SS[c] for the 512 outputs from c * 512), which
+// the next HC mix reads instead of summing the streams again (matvec.wgsl's
+// mat_vec_f16_split_norm).
+@group(0) @binding(12) var<storage, read_write> SS: array<f32>;
+var<workgroup> post_sq: array<f32, 1024>;
+
+// The first of the 4 consecutive outputs invocation lid of HC post workgroup g computes: the
+// workgroup holds the two 512-chunks from 2g * 512, each as row_scale.wgsl's 32-lane group reads
+// a chunk (lane l the 4 values from l * 4 in each step of 128), step s of the chunk on the
+// invocations of its s-th group of 32.
+fn post_at(g: u32, lid: u32) -> u32 {
+    return (2u * g + lid / 128u) * 512u + ((lid / 32u) % 4u) * 128u + (lid % 32u) * 4u;
+}
+
+// With `store`, each chunk's sum of squares of the outputs v (4 from i0, those past `total` not
+// counted) in row_scale's order: a lane adds its 16 squares step by step from +0, the lanes add
+// by lane_sum, so the sum the norm would compute from the stored outputs. Call in uniform control
+// flow.
+fn store_sum_sq(g: u32, lid: u32, v: vec4<f32>, i0: u32, total: u32, store: bool) {
+    if (!store) {
         return;
     }
-    OUT[i] = post_mix(B0[i % n], i, n, n_hc);
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        post_sq[lid * 4u + k] = fmul(v[k], v[k]);
+    }
+    workgroupBarrier();
+    let lane = lid % 32u;
+    let first_group = (lid / 32u) % 4u == 0u;
+    var acc = zero();
+    if (first_group) {
+        for (var s = 0u; s < 4u; s = s + 1u) {
+            let t = lid + s * 32u;
+            for (var k = 0u; k < 4u; k = k + 1u) {
+                if (i0 + s * 128u + k < total) {
+                    acc = fadd(acc, post_sq[t * 4u + k]);
+                }
+            }
+        }
+    }
+    let sum = lane_sum(acc, lid);
+    let c = 2u * g + lid / 128u;
+    if (first_group && lane == 0u && c * 512u < total) {
+        SS[c] = sum;
+    }
 }
 
 // hc_post's output i (stream dst = i / n, dim d = i % n) for block value `block`:
@@ -201,22 +254,29 @@ fn hc_head_weights(@builtin(local_invocation_index) lid: u32) {
     }
 }
 
-// Add and HcPost in one dispatch. args: n, n_hc. The block is block (B0) + block_b (B3), as
-// `add` computes it, also stored to SUM (by the dst 0 invocations); then hc_post's sum.
+// Add and HcPost in one dispatch. args: n, n_hc, with_ss. The block is block (B0) + block_b
+// (B3), as `add` computes it, also stored to SUM (by the dst 0 invocations); then hc_post's sum.
 @compute @workgroup_size(256)
 fn hc_post_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
     if (!guard()) {
         return;
     }
-    let i = group_index(wid, nwg) * 256u + lid;
-    if (i < arg(0u) * arg(1u)) {
-        post_add(i, B0[i % arg(0u)]);
+    let n = arg(0u);
+    let g = group_index(wid, nwg);
+    let i0 = post_at(g, lid);
+    var v = vec4<f32>();
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let i = i0 + k;
+        if (i < n * arg(1u)) {
+            v[k] = post_add(i, B0[i % n]);
+        }
     }
+    store_sum_sq(g, lid, v, i0, n * arg(1u), arg(2u) != 0u);
 }
 
 // hc_post_add whose first block is the routed experts' output, summed here as moe_sum does it:
-// the n_used slots' values added in slot order from +0 (args: n, n_hc, n_used).
+// the n_used slots' values added in slot order from +0 (args: n, n_hc, with_ss, n_used).
 @compute @workgroup_size(256)
 fn hc_post_add_moe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_index) lid: u32) {
@@ -224,23 +284,32 @@ fn hc_post_add_moe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         return;
     }
     let n = arg(0u);
-    let i = group_index(wid, nwg) * 256u + lid;
-    if (i < n * arg(1u)) {
-        var moe = zero();
-        for (var s = 0u; s < arg(2u); s = s + 1u) {
-            moe = fadd(moe, SLOTS[s * n + i % n]);
+    let g = group_index(wid, nwg);
+    let i0 = post_at(g, lid);
+    var v = vec4<f32>();
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let i = i0 + k;
+        if (i < n * arg(1u)) {
+            var moe = zero();
+            for (var s = 0u; s < arg(3u); s = s + 1u) {
+                moe = fadd(moe, SLOTS[s * n + i % n]);
+            }
+            v[k] = post_add(i, moe);
         }
-        post_add(i, moe);
     }
+    store_sum_sq(g, lid, v, i0, n * arg(1u), arg(2u) != 0u);
 }
 
-// Output i (< n * n_hc) of hc_post_add and hc_post_add_moe, whose first block is `a` there.
-fn post_add(i: u32, a: f32) {
+// Output i (< n * n_hc) of hc_post_add and hc_post_add_moe, whose first block is `a` there:
+// stored, and returned.
+fn post_add(i: u32, a: f32) -> f32 {
     let n = arg(0u);
     let d = i % n;
     let block = fadd(a, B3[d]);
     if (i < n) {
         SUM[d] = block;
     }
-    OUT[i] = post_mix(block, i, n, arg(1u));
+    let v = post_mix(block, i, n, arg(1u));
+    OUT[i] = v;
+    return v;
 }

@@ -652,12 +652,16 @@ fn mat_vec_f32_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
 
 // mat_vec_f16_split_norm's copy of the norm's output.
 @group(0) @binding(8) var<storage, read_write> NORM_OUT: array<f32>;
+// The row's 512-chunk sums of squares, where the HC post that wrote the row stored them
+// (hc.wgsl's store_sum_sq: the sums row_scale would compute).
+@group(0) @binding(10) var<storage, read> SS: array<f32>;
 
 // RmsNorm without weight of one row (X) and the split-K F16 matvec of its output in one dispatch
 // (the HC mix projections): every workgroup computes the row's scale as rms_norm does
-// (row_scale), reads x * scale wherever the matvec reads the norm's output, and writes its share
-// of the norm's output (NORM_OUT) for any later reader. args: in_dim, rows, rows_per_group (rows),
-// row0 (0), eps.
+// (row_scale, or with arg 6 != 0 from the chunk sums in SS, added in chunk order as row_scale
+// adds its own), reads x * scale wherever the matvec reads the norm's output, and writes its
+// share of the norm's output (NORM_OUT) for any later reader. args: in_dim, rows,
+// rows_per_group (rows), row0 (0), eps, 0, from_ss.
 @compute @workgroup_size(256)
 fn mat_vec_f16_split_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_index) lid: u32) {
@@ -666,7 +670,16 @@ fn mat_vec_f16_split_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     }
     let n = arg(0u);
     let rows = arg(1u);
-    let scale = row_scale(0u, n, argf(4u), lid);
+    var scale: f32;
+    if (arg(6u) != 0u) {
+        var ss = zero();
+        for (var c = 0u; c < (n + 511u) / 512u; c = c + 1u) {
+            ss = fadd(ss, SS[c]);
+        }
+        scale = scale_of_sum(ss, n, argf(4u));
+    } else {
+        scale = row_scale(0u, n, argf(4u), lid);
+    }
     let per = (n + rows - 1u) / rows;
     let begin = min(group_index(wid, nwg) * per, n);
     let end = min(begin + per, n);

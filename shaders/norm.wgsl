@@ -75,6 +75,7 @@ fn sk_base(i: u32) -> f32 {
 // are rms_norm's (args 0..9 are rms_norm's, without RoPE), each reading the weighted sum
 // wherever rms_norm reads its row (every value computed by the same operations, so the same
 // bits) and storing its slice of it (CUR). args 10..12: n_hc (at most 8), iters, eps of the HC.
+// The Sinkhorn's workgroup runs it on 32 lanes where n_hc * n_hc <= 32, else on all 256.
 @compute @workgroup_size(256)
 fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
@@ -84,10 +85,24 @@ fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n_hc = arg(10u);
     let eps = argf(12u);
     let g = group_index(wid, nwg);
-    if (g == arg(5u)) {
+    if (g == arg(5u) && n_hc * n_hc > 32u) {
         sinkhorn(lid, n_hc, arg(11u), eps);
         for (var j = lid; j < 2u * n_hc + n_hc * n_hc; j = j + 256u) {
             SPLIT[j] = sp[j];
+        }
+        return;
+    }
+    if (g == arg(5u)) {
+        // As hc_split_weighted_sum_lanes: the gates, and the combine matrix on 32 lanes (no
+        // barrier where the adapter has subgroups). Same bits as `sinkhorn`.
+        if (lid < n_hc) {
+            SPLIT[lid] = hc_pre_gate(lid, eps);
+        } else if (lid < 2u * n_hc) {
+            SPLIT[lid] = hc_post_gate(lid);
+        }
+        let c = sinkhorn_comb(lid, n_hc, arg(11u), eps);
+        if (lid < n_hc * n_hc) {
+            SPLIT[2u * n_hc + lid] = c;
         }
         return;
     }

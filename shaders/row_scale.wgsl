@@ -60,6 +60,11 @@ fn keep_chunk_sum(acc: f32, c: u32, n_chunks: u32, lid: u32) {
     }
 }
 
+// 1 / sqrt(mean + eps) of n values whose squares add to ss.
+fn scale_of_sum(ss: f32, n: u32, eps: f32) -> f32 {
+    return fdiv(1.0, sqrt_rn(fadd(fdiv(ss, f32(n)), eps)));
+}
+
 // 1 / sqrt(mean + eps) of row `row` (its first value's index) of n values: 32-lane group w sums
 // the chunks w, w + 8, ... and the chunk sums add in order. Every invocation reads its part of
 // the row before the scale is returned (workgroups of 256, uniform control flow).
@@ -105,7 +110,7 @@ fn row_scale(row: u32, n: u32, eps: f32, lid: u32) -> f32 {
         for (var c = 0u; c < n_chunks; c = c + 1u) {
             ss = fadd(ss, chunk_sums[c]);
         }
-        scale_sh = fdiv(1.0, sqrt_rn(fadd(fdiv(ss, f32(n)), eps)));
+        scale_sh = scale_of_sum(ss, n, eps);
     }
     workgroupBarrier();
     return scale_sh;

@@ -23,6 +23,8 @@ pub enum Scratch {
     Partial,
     /// Attention scores, `max_rows` per head.
     Scores,
+    /// The 512-chunk sums of squares of an HC post's output, for the HC mix that normalizes it.
+    HcSumSq,
 }
 
 /// A dispatch's bindings: (binding number, what is bound).
@@ -210,6 +212,9 @@ struct Builder<'a> {
     /// A routed-expert sum left to the HC post that adds it (`hc_post_add_moe`, the MoE op's last
     /// dispatch in all but name): the MoE's output buffer, out_dim and n_used.
     moe_sum_later: Option<(Buf, u32, u32)>,
+    /// The buffer whose 512-chunk sums of squares `Scratch::HcSumSq` holds (written by its HC
+    /// post), and the predicate it ran under.
+    ss_of: Option<(Buf, [u32; 3])>,
 }
 
 impl Builder<'_> {
@@ -243,12 +248,29 @@ impl Builder<'_> {
     fn q8_fresh(&self, x: Buf) -> bool {
         self.q8_of.iter().any(|&(q, c)| q == x && (c == [0; 3] || c == self.cond))
     }
-    /// What the ops in `writes` write is no longer what was quantized.
+    /// What the ops in `writes` write is no longer what was quantized (nor what the HC sums of
+    /// squares were made of).
     fn q8_written(&mut self, writes: &[Buf]) {
         self.q8_of.retain(|(q, _)| !writes.contains(q));
         if self.q8k_of.is_some_and(|(q, _)| writes.contains(&q)) {
             self.q8k_of = None;
         }
+        if self.ss_of.is_some_and(|(q, _)| writes.contains(&q)) {
+            self.ss_of = None;
+        }
+    }
+    /// An HC post's `with_ss` argument (its third word) and its SS binding: whether the post
+    /// writing `out` also stores its 512-chunk sums of squares, for an HC mix of `out` that
+    /// reads them (`mat_vec_f16_split_norm`; fused plans on 32-lane adapters). Records it for
+    /// that mix.
+    fn hc_post_ss(&mut self, out: Buf) -> (u32, Res) {
+        if !self.fuse || self.rows {
+            return (0, Res::DummyOut);
+        }
+        let n = self.len(out) as u64;
+        self.need(Scratch::HcSumSq, n.div_ceil(512) * 4);
+        self.ss_of = Some((out, self.cond));
+        (1, Res::Scratch(Scratch::HcSumSq))
     }
     /// Whether the next routed-experts op reads `buf`, under the current op's predicate, before
     /// any op writes it: then the norm writing `buf` also writes its Q8_K quantization.
@@ -471,6 +493,8 @@ impl Builder<'_> {
         if self.rows || mx != out || mix == x || mix == out || x == out || !fits || !one_range {
             return Ok(false);
         }
+        // The HC post that wrote x left its sums of squares.
+        let from_ss = self.ss_of.is_some_and(|(b, c)| b == x && (c == [0; 3] || c == self.cond));
         self.absorb(j);
         self.layout(w, Layout::Rows(vec![(0, rows as u32)]))?;
         // The split-K pair's bindings, unread here.
@@ -481,8 +505,10 @@ impl Builder<'_> {
             (7, Res::Buf(mix)),
             (8, Res::Buf(out)),
             (9, Res::Weight(w, 0)),
+            (10, if from_ss { Res::Scratch(Scratch::HcSumSq) } else { Res::Dummy }),
         ];
-        self.push("mat_vec_f16_split_norm", rows as u32, vec![n, rows as u32, rows as u32, 0, eps.to_bits()], binds);
+        let args = vec![n, rows as u32, rows as u32, 0, eps.to_bits(), 0, from_ss as u32];
+        self.push("mat_vec_f16_split_norm", rows as u32, args, binds);
         Ok(true)
     }
 
@@ -927,9 +953,16 @@ impl Builder<'_> {
             }
             Op::HcPost { block, residual, split, out, n_hc } => {
                 let n = self.len(block);
-                let binds =
-                    vec![(2, Res::Buf(block)), (3, Res::Buf(residual)), (4, Res::Buf(split)), (5, Res::Buf(out))];
-                self.push("hc_post", groups(n * n_hc as usize, 256), vec![n as u32, n_hc], binds);
+                let (with_ss, ss) = self.hc_post_ss(out);
+                let binds = vec![
+                    (2, Res::Buf(block)),
+                    (3, Res::Buf(residual)),
+                    (4, Res::Buf(split)),
+                    (5, Res::Buf(out)),
+                    (12, ss),
+                ];
+                // 4 outputs an invocation (hc.wgsl post_at).
+                self.push("hc_post", groups(n * n_hc as usize, 1024), vec![n as u32, n_hc, with_ss], binds);
             }
             Op::HcHeadWeights { pre, scale, base, out, eps } => {
                 let n = self.len(pre) as u32;
@@ -1218,13 +1251,16 @@ impl Builder<'_> {
                             (9, Res::Buf(b)),
                             (10, Res::Buf(out)),
                         ];
-                        let g = groups(n * n_hc as usize, 256);
+                        let (with_ss, ss) = self.hc_post_ss(post_out);
+                        binds.push((12, ss));
+                        // 4 outputs an invocation (hc.wgsl post_at).
+                        let g = groups(n * n_hc as usize, 1024);
                         match moe {
                             Some((_, _, n_used)) => {
                                 binds.push((11, Res::Scratch(Scratch::Partial)));
-                                self.push("hc_post_add_moe", g, vec![n as u32, n_hc, n_used], binds);
+                                self.push("hc_post_add_moe", g, vec![n as u32, n_hc, with_ss, n_used], binds);
                             }
-                            None => self.push("hc_post_add", g, vec![n as u32, n_hc], binds),
+                            None => self.push("hc_post_add", g, vec![n as u32, n_hc, with_ss], binds),
                         }
                         return Ok(());
                     }
@@ -1278,6 +1314,7 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         hc_split_old: std::env::var("DS4_WGPU_HC_SPLIT").is_ok_and(|v| v == "old"),
         moe_down_pairs,
         moe_sum_later: None,
+        ss_of: None,
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1509,6 +1546,18 @@ mod tests {
         assert_eq!(by.get("kv_finish"), None);
         assert_eq!(by["rms_norm_kv"], 4);
         assert_eq!(by["mat_vec_f16_split_norm"], 9);
+        // Every HC mix but the token's first (after embed_hc) takes its row's sums of squares
+        // from the HC post right before it, which is the dispatch before.
+        let mixes: Vec<usize> =
+            (0..fused.dispatches.len()).filter(|&i| fused.dispatches[i].entry == "mat_vec_f16_split_norm").collect();
+        for (k, &i) in mixes.iter().enumerate() {
+            let d = &fused.dispatches[i];
+            assert_eq!(d.args[6], (k > 0) as u32, "HC mix {k}");
+            if k > 0 {
+                let post = &fused.dispatches[i - 1];
+                assert!(post.entry.starts_with("hc_post") && post.args[2] == 1, "{}", post.entry);
+            }
+        }
         // Only the experts' mid vectors are quantized to Q8_K on their own.
         assert_eq!(by["quantize_q8_k"], 4);
         // The attention output's inverse RoPE and Q8_0 are the attention's own.
