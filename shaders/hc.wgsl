@@ -173,7 +173,8 @@ fn hc_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
     let n = arg(0u);
     let n_hc = arg(1u);
-    let i0 = post_at(group_index(wid, nwg), lid);
+    let g = group_index(wid, nwg);
+    let i0 = post_at(g, lid);
     var v = vec4<f32>();
     for (var k = 0u; k < 4u; k = k + 1u) {
         let i = i0 + k;
@@ -182,7 +183,7 @@ fn hc_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
             OUT[i] = v[k];
         }
     }
-    store_sum_sq(group_index(wid, nwg), lid, v, i0, n * n_hc, arg(2u) != 0u);
+    store_sum_sq(g, lid, v, n * n_hc, arg(2u) != 0u);
 }
 
 // The HC posts' output chunks' sums of squares (SS[c] for the 512 outputs from c * 512), which
@@ -199,14 +200,15 @@ fn post_at(g: u32, lid: u32) -> u32 {
     return (2u * g + lid / 128u) * 512u + ((lid / 32u) % 4u) * 128u + (lid % 32u) * 4u;
 }
 
-// With `store`, each chunk's sum of squares of the outputs v (4 from i0, those past `total` not
-// counted) in row_scale's order: a lane adds its 16 squares step by step from +0, the lanes add
-// by lane_sum, so the sum the norm would compute from the stored outputs. Call in uniform control
-// flow.
-fn store_sum_sq(g: u32, lid: u32, v: vec4<f32>, i0: u32, total: u32, store: bool) {
+// With `store`, each chunk's sum of squares of the outputs v (the 4 from post_at(g, lid), those
+// past `total` not counted) in row_scale's order: a lane adds its 16 squares step by step from +0,
+// the lanes add by lane_sum, so the sum the norm would compute from the stored outputs. Call in
+// uniform control flow.
+fn store_sum_sq(g: u32, lid: u32, v: vec4<f32>, total: u32, store: bool) {
     if (!store) {
         return;
     }
+    let i0 = post_at(g, lid);
     for (var k = 0u; k < 4u; k = k + 1u) {
         post_sq[lid * 4u + k] = fmul(v[k], v[k]);
     }
@@ -272,7 +274,7 @@ fn hc_post_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             v[k] = post_add(i, B0[i % n]);
         }
     }
-    store_sum_sq(g, lid, v, i0, n * arg(1u), arg(2u) != 0u);
+    store_sum_sq(g, lid, v, n * arg(1u), arg(2u) != 0u);
 }
 
 // hc_post_add whose first block is the routed experts' output, summed here as moe_sum does it:
@@ -297,7 +299,7 @@ fn hc_post_add_moe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
             v[k] = post_add(i, moe);
         }
     }
-    store_sum_sq(g, lid, v, i0, n * arg(1u), arg(2u) != 0u);
+    store_sum_sq(g, lid, v, n * arg(1u), arg(2u) != 0u);
 }
 
 // Output i (< n * n_hc) of hc_post_add and hc_post_add_moe, whose first block is `a` there:

@@ -246,7 +246,12 @@ impl Builder<'_> {
     }
     /// Whether `x`'s Q8_0 scratch holds its quantization whenever the current op runs.
     fn q8_fresh(&self, x: Buf) -> bool {
-        self.q8_of.iter().any(|&(q, c)| q == x && (c == [0; 3] || c == self.cond))
+        self.q8_of.iter().any(|&(q, c)| q == x && self.holds_now(c))
+    }
+    /// Whether what a dispatch under predicate `c` wrote holds whenever the current op runs: it
+    /// ran unconditionally, or under the same predicate.
+    fn holds_now(&self, c: [u32; 3]) -> bool {
+        c == [0; 3] || c == self.cond
     }
     /// What the ops in `writes` write is no longer what was quantized (nor what the HC sums of
     /// squares were made of).
@@ -494,7 +499,7 @@ impl Builder<'_> {
             return Ok(false);
         }
         // The HC post that wrote x left its sums of squares.
-        let from_ss = self.ss_of.is_some_and(|(b, c)| b == x && (c == [0; 3] || c == self.cond));
+        let from_ss = self.ss_of.is_some_and(|(b, c)| b == x && self.holds_now(c));
         self.absorb(j);
         self.layout(w, Layout::Rows(vec![(0, rows as u32)]))?;
         // The split-K pair's bindings, unread here.
@@ -1139,7 +1144,7 @@ impl Builder<'_> {
                 self.need(Scratch::Mid, n_used * ff * 4);
                 self.need(Scratch::Partial, n_used * out_dim * 4);
                 // The input's Q8_K blocks, unless its norm wrote them under this op's predicate.
-                if !matches!(self.q8k_of, Some((q, c)) if q == x && (c == [0; 3] || c == self.cond)) {
+                if !matches!(self.q8k_of, Some((q, c)) if q == x && self.holds_now(c)) {
                     let binds = vec![(5, Res::Scratch(Scratch::Q8KX)), (10, Res::Buf(x))];
                     self.push("quantize_q8_k", nbx as u32, vec![nbx as u32], binds);
                     self.q8k_of = None;
