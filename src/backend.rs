@@ -90,6 +90,18 @@ pub trait Executable {
         let _ = s;
         Ok(None)
     }
+    /// Whether [`Executable::sample_then_step`] runs here.
+    fn samples_then_steps(&self) -> bool {
+        false
+    }
+    /// Samples the token after the last step on the device ([`Executable::sample`]) and runs the
+    /// step that feeds it at position `pos` there too, queued before the id comes back: the host
+    /// reads the id while that step runs. Backends where [`Executable::samples_then_steps`] is
+    /// false refuse it, having run nothing.
+    fn sample_then_step(&mut self, s: &DeviceSample, pos: u32) -> Result<u32, BackendError> {
+        let _ = (s, pos);
+        Err(BackendError::new("backend", "does not sample and step on the device"))
+    }
     /// Copies the logits of the last step into `out` (resized to the vocabulary).
     fn read_logits(&mut self, out: &mut Vec<f32>) -> Result<(), BackendError>;
     /// Reads any buffer as f32 values (I32 buffers are converted). For tests and diagnostics.

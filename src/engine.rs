@@ -266,9 +266,13 @@ pub struct GenStats {
     pub prefilled: usize,
     /// Tokens sampled (the end-of-sentence token included).
     pub generated: usize,
-    /// Decode steps: sampled tokens fed back (the last one never is).
+    /// Decode steps: sampled tokens fed back (the last one never is; one that ended the call
+    /// early is where the session feeds ahead).
     pub decoded: usize,
+    /// Until the first sampled token, whose sampling waits for the prompt's steps on a GPU (the
+    /// whole call when nothing is sampled).
     pub prefill_time: Duration,
+    /// From the first sampled token to the last: the decode steps and their samples.
     pub decode_time: Duration,
     /// From the call to the first sampled token.
     pub first_token: Option<Duration>,
@@ -387,7 +391,10 @@ impl Engine {
 
     /// Feeds `prompt` (reusing the state of a prefix already fed), then samples up to
     /// `max_tokens` tokens, calling `on` for each event; `on` returning false stops the call
-    /// after that event. The last sampled token is not fed (nothing would read its logits).
+    /// after that event. The last sampled token is not fed (nothing would read its logits). Where
+    /// the session feeds ahead ([`Session::feeds_ahead`]: the GPU backends), every token before
+    /// the last is fed as it is sampled, so one that ends the call early (an end of sentence, a
+    /// stop from `on`) is held by the session like the rest of the answer.
     pub fn generate(
         &mut self,
         prompt: &[u32],
@@ -473,19 +480,33 @@ impl Engine {
         let tok = &self.loaded.tokenizer;
         let eos = tok.specials().eos;
         let mut text = StreamDecoder::new();
-        let t_decode = Instant::now();
+        let mut t_decode = Instant::now();
         let mut unfed = None;
         for i in 0..n_gen {
             // Sampled on the device where the backend can (only the id comes back), else on the
             // host from the logits; with `p.logits` they were read already and the host samples.
+            // Where the session feeds ahead, a token before the last is fed as it is sampled (its
+            // step queued before the host sees it), an end of sentence too.
+            let ahead = self.forced.is_none() && !p.logits && i + 1 < n_gen && self.session.feeds_ahead();
             let next = match &self.forced {
                 Some(ids) => ids.get(i).copied().unwrap_or(eos),
+                None if ahead => self.session.sample_and_feed(&mut sampler)?,
                 None => self.session.sample(&mut sampler)?,
             };
-            unfed = Some(next);
+            if ahead {
+                fed.push(next);
+                stats.decoded += 1;
+                unfed = None;
+            } else {
+                unfed = Some(next);
+            }
             stats.generated += 1;
             if stats.first_token.is_none() {
+                // A GPU runs the prompt's steps while the host goes on: the first sample waits for
+                // them, so the prefill ends here and the decode's clock starts here.
                 stats.first_token = Some(t0.elapsed());
+                stats.prefill_time = t0.elapsed();
+                t_decode = Instant::now();
             }
             let piece = if next == eos { String::new() } else { text.push(&tok.token_bytes(next).unwrap_or_default()) };
             if !on(Event::Token { id: next, text: &piece }) {
@@ -496,7 +517,7 @@ impl Engine {
                 stats.stop = StopReason::Eos;
                 break;
             }
-            if i + 1 < n_gen {
+            if i + 1 < n_gen && !ahead {
                 let logits = if p.logits {
                     Some(self.session.eval(next)?)
                 } else {

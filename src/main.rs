@@ -1002,10 +1002,16 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     // sends back its 4-byte id, not the logits.
     let mut greedy = ds4::sample::Sampler::new(SamplerConfig::default());
     // -n tokens from `next`: the last token sampled and how long they took.
+    // Each sampled token but the last is fed as `ds4 run` feeds it: its step queued on the device
+    // before the id comes back, where the session feeds ahead.
     let decode = |session: &mut Session, greedy: &mut ds4::sample::Sampler, mut next: u32| -> Result<(u32, Duration)> {
         let t = Instant::now();
-        for _ in 0..a.tokens {
-            next = session.eval_sampled(next, greedy)?;
+        if a.tokens > 0 {
+            session.feed(&[next], |_| {})?;
+            for _ in 1..a.tokens {
+                session.sample_and_feed(greedy)?;
+            }
+            next = session.sample(greedy)?;
         }
         Ok((next, t.elapsed()))
     };

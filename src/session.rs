@@ -252,6 +252,33 @@ impl Session {
         Ok(sampler.pick(&self.logits, &draw))
     }
 
+    /// Whether [`Session::sample_and_feed`] overlaps the host's round trip with the next step
+    /// (the backend samples and steps on the device); elsewhere it is a sample, then a feed.
+    pub fn feeds_ahead(&self) -> bool {
+        self.exe.samples_then_steps()
+    }
+
+    /// Samples the token that follows the last one fed ([`Session::sample`]) and feeds it. Where
+    /// the session [`Session::feeds_ahead`], the step that feeds it is queued on the device before
+    /// the id comes back, so the host's read-back hides behind that step. The token is fed
+    /// whatever it turns out to be (an end of sentence too): call this only where the caller
+    /// would feed any token sampled.
+    pub fn sample_and_feed(&mut self, sampler: &mut Sampler) -> Result<u32, SessionError> {
+        if self.pos == 0 {
+            return Err(SessionError::NothingFed);
+        }
+        self.check(&[0])?;
+        if self.logits.is_empty() && self.exe.samples_then_steps() {
+            let draw = sampler.draw();
+            let id = self.exe.sample_then_step(&draw, self.pos)?;
+            self.pos += 1;
+            return Ok(id);
+        }
+        let id = self.sample(sampler)?;
+        self.step(id)?;
+        Ok(id)
+    }
+
     /// Feeds one token and samples the next ([`Session::feed`], then [`Session::sample`]).
     pub fn eval_sampled(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, SessionError> {
         self.feed(&[token], |_| {})?;

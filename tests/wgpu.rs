@@ -255,3 +255,79 @@ fn wgpu_device_sampling_equals_the_canonical_cpu_over_tiny_tokens() {
         t = sampled.0;
     }
 }
+
+/// Fed ahead (each sampled token's step queued on the device before its id comes back), a wgpu
+/// session samples the canonical CPU's tokens, greedy and seeded in turn, and ends in the CPU's
+/// state: the next token's logits have the same bits.
+#[test]
+fn wgpu_feeding_ahead_equals_the_canonical_cpu_sampling_then_feeding() {
+    use ds4::sample::{Sampler, SamplerConfig};
+    let model = Model::open(golden("tiny-a/model.gguf")).unwrap();
+    let cpu = CpuBackend::with_numerics(0, Numerics::Canonical).unwrap();
+    let gpu = wgpu_backend();
+    let mut a = Session::new(model.clone(), &cpu, 64).unwrap();
+    let mut b = Session::new(model, gpu.as_ref(), 64).unwrap();
+    assert!(b.feeds_ahead() && !a.feeds_ahead());
+    let seeded = SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.05, seed: 5 };
+    let mut samplers = [Sampler::new(SamplerConfig::default()), Sampler::new(seeded)];
+    let mut twins = [Sampler::new(SamplerConfig::default()), Sampler::new(seeded)];
+    a.feed(&[0], |_| {}).unwrap();
+    b.feed(&[0], |_| {}).unwrap();
+    let mut last = 0;
+    for i in 0..30 {
+        let want = a.sample_and_feed(&mut samplers[i % 2]).unwrap();
+        let got = b.sample_and_feed(&mut twins[i % 2]).unwrap();
+        assert_eq!(want, got, "token {i}");
+        assert_eq!((a.pos(), b.pos()), (i + 2, i + 2));
+        last = got;
+    }
+    let want = a.eval(last).unwrap().to_vec();
+    let got = b.eval(last).unwrap();
+    let bad = want.iter().zip(got).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    assert_eq!(bad, 0, "after feeding ahead, {bad} logits differ");
+}
+
+/// `generate` on wgpu feeds ahead: the same answer as on the canonical CPU (which samples, then
+/// feeds), and a continuation reuses the answer's tokens and goes on as the CPU does.
+#[test]
+fn wgpu_generate_feeding_ahead_answers_and_continues_as_the_cpu() {
+    use ds4::engine::{self, BackendChoice, Engine, Event, GenParams, ModelSource};
+    use ds4::sample::SamplerConfig;
+    let engine_on = |kind: BackendKind| {
+        let loaded = engine::load(&ModelSource::Preset("tiny".into())).unwrap();
+        let choice =
+            BackendChoice { kind: Some(kind), threads: 1, numerics: Some(Numerics::Canonical), ..Default::default() };
+        let (backend, _) = engine::make_backend(&choice).unwrap();
+        Engine::new(loaded, backend.as_ref(), 128, 1).unwrap()
+    };
+    let p = GenParams {
+        sampler: SamplerConfig { temperature: 0.9, top_k: 0, top_p: 0.95, min_p: 0.05, seed: 7 },
+        max_tokens: 12,
+        ignore_eos: true,
+        logits: false,
+    };
+    let answer = |e: &mut Engine, prompt: &[u32]| {
+        let mut ids = Vec::new();
+        let stats = e
+            .generate(prompt, &p, |ev| {
+                if let Event::Token { id, .. } = ev {
+                    ids.push(id);
+                }
+                true
+            })
+            .unwrap();
+        (ids, stats)
+    };
+    let (mut cpu, mut gpu) = (engine_on(BackendKind::Cpu), engine_on(BackendKind::Wgpu));
+    let prompt = [0, 300, 301, 302];
+    let (want, _) = answer(&mut cpu, &prompt);
+    let (got, stats) = answer(&mut gpu, &prompt);
+    assert_eq!(got, want);
+    assert_eq!((stats.generated, stats.decoded), (12, 11));
+    let next: Vec<u32> = prompt.iter().chain(&got).chain(&[310, 311]).copied().collect();
+    assert_eq!(gpu.reusable(&next), prompt.len() + 11, "the prompt and the answer's fed tokens");
+    let (want, _) = answer(&mut cpu, &next);
+    let (got, stats) = answer(&mut gpu, &next);
+    assert_eq!(got, want);
+    assert_eq!((stats.reused, stats.prefilled), (15, 3));
+}

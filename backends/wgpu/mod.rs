@@ -580,6 +580,11 @@ mod imp {
         /// Host time per token (`DS4_WGPU_HOST_TIMES=1`): encoding, submitting, reading back.
         host_times: Option<std::cell::RefCell<HostTimes>>,
         sampler: DeviceSampler,
+        /// What loading measured (the upload), for `load_report`.
+        report: String,
+        /// `sample_then_step` runs (`DS4_WGPU_FEED_AHEAD=off` makes a session sample, then feed,
+        /// for measuring what feeding ahead gains).
+        feed_ahead: bool,
         /// One read-back buffer for every read, grown when a read needs more.
         staging: std::cell::RefCell<Option<wgpu::Buffer>>,
         /// A token's command buffer, encoded ahead (while the GPU runs the token before): every
@@ -1043,6 +1048,24 @@ mod imp {
             let bufs: Vec<wgpu::Buffer> = program.buffers().iter().map(|d| sized(&d.name, d.len as u64 * 4)).collect();
 
             // Weights, in the layout the plan chose; chunk k of weight w is weights[wmap[w] + k].
+            // wgpu stages each buffer's contents in host memory and copies it at the next submit:
+            // submitting every UPLOAD_BATCH bytes bounds that staging memory (a whole model staged
+            // at once would double its host footprint) and makes the upload finish here, timed,
+            // instead of inside the first token.
+            const UPLOAD_BATCH: u64 = 256 << 20;
+            let t_upload = std::time::Instant::now();
+            let (mut uploaded, mut staged) = (0u64, 0u64);
+            let mut make = |label: &str, bytes: &[u8]| -> Result<wgpu::Buffer, BackendError> {
+                let b = make(label, bytes);
+                uploaded += bytes.len() as u64;
+                staged += bytes.len() as u64;
+                if staged >= UPLOAD_BATCH {
+                    staged = 0;
+                    be.queue.submit([]);
+                    device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| err(format!("device lost: {e}")))?;
+                }
+                Ok(b)
+            };
             let mut weights = Vec::new();
             let mut wmap = vec![usize::MAX; program.weights().len()];
             for (i, (t, layout)) in program.weights().iter().zip(&plan.layouts).enumerate() {
@@ -1053,13 +1076,13 @@ mod imp {
                     Layout::Vector => {
                         let mut v = vec![0f32; t.elements() as usize];
                         quant::dequantize_row(t.ty, data, &mut v).map_err(|e| err(format!("{}: {e}", t.name)))?;
-                        weights.push(make(&t.name, &f32_bytes(&v)));
+                        weights.push(make(&t.name, &f32_bytes(&v))?);
                     }
                     Layout::Raw => {
                         if data.len() as u64 > be.max_binding {
                             return Err(err(format!("tensor '{}' exceeds the largest storage binding", t.name)));
                         }
-                        weights.push(make(&t.name, &padded(data.to_vec())));
+                        weights.push(make(&t.name, &padded(data.to_vec()))?);
                     }
                     Layout::Rows(ranges) => {
                         let rb = t.ty.row_bytes(t.dim(0) as usize);
@@ -1071,7 +1094,7 @@ mod imp {
                             } else {
                                 padded(bytes.to_vec())
                             };
-                            weights.push(make(&t.name, &bytes));
+                            weights.push(make(&t.name, &bytes)?);
                         }
                     }
                     Layout::Experts(ranges) => {
@@ -1081,17 +1104,25 @@ mod imp {
                             // quants (and Q4_K's rest) as vec4<u32>.
                             let bytes = &data[e0 as usize * eb..(e0 + n) as usize * eb];
                             let bytes = padded_to(gpu_tables::repack_blocks(t.ty, bytes).into_owned(), 16);
-                            weights.push(make(&t.name, &bytes));
+                            weights.push(make(&t.name, &bytes)?);
                         }
                     }
                 }
             }
-            let grid = make("iq2_xxs grid", &gpu_tables::iq2_xxs_grid_bytes());
-            let ropes: Vec<wgpu::Buffer> = plan
+            let grid = make("iq2_xxs grid", &gpu_tables::iq2_xxs_grid_bytes())?;
+            let ropes = plan
                 .ropes
                 .iter()
                 .map(|(r, n_rot)| make("rope", &f32_bytes(&gpu_tables::rope_table(r, *n_rot, program.positions()))))
-                .collect();
+                .collect::<Result<Vec<_>, _>>()?;
+            be.queue.submit([]);
+            device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| err(format!("device lost: {e}")))?;
+            let upload_s = t_upload.elapsed().as_secs_f64();
+            let report = format!(
+                "  upload  {:.2} GB of weights and tables in {upload_s:.2} s ({:.1} GB/s, dequantizing and repacking included)\n",
+                uploaded as f64 / 1e9,
+                uploaded as f64 / upload_s.max(1e-9) / 1e9
+            );
             let scratch: HashMap<Scratch, wgpu::Buffer> =
                 scratch_need.iter().map(|&(k, bytes)| (k, sized(&format!("{k:?}"), bytes))).collect();
             let mut shared = Shared {
@@ -1202,6 +1233,8 @@ mod imp {
                     .is_ok_and(|v| v == "1")
                     .then(|| std::cell::RefCell::new(HostTimes::default())),
                 sampler,
+                report,
+                feed_ahead: std::env::var("DS4_WGPU_FEED_AHEAD").map_or(true, |v| v != "off"),
                 staging: std::cell::RefCell::new(None),
                 ready: None,
                 pending: None,
@@ -1496,12 +1529,13 @@ mod imp {
             cb
         }
 
-        fn submit(&self, cbs: impl IntoIterator<Item = wgpu::CommandBuffer>) {
+        fn submit(&self, cbs: impl IntoIterator<Item = wgpu::CommandBuffer>) -> wgpu::SubmissionIndex {
             let t0 = std::time::Instant::now();
-            self.queue.submit(cbs);
+            let index = self.queue.submit(cbs);
             if let Some(h) = &self.host_times {
                 h.borrow_mut().submit += t0.elapsed();
             }
+            index
         }
 
         /// Submits the last step's commands if they still wait, then encodes the next token's
@@ -1538,13 +1572,89 @@ mod imp {
         }
 
         /// The first `bytes` (a multiple of 4) of the read-back buffer, once the GPU has written
-        /// them. After a failure the buffer is dropped (its map may still be pending).
-        fn map_read(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, BackendError> {
-            let out = read_mapped(staging, bytes, || self.wait());
+        /// them: once submission `after` is done (None: every submission). After a failure the
+        /// buffer is dropped (its map may still be pending).
+        fn map_read(
+            &self,
+            staging: &wgpu::Buffer,
+            bytes: u64,
+            after: Option<wgpu::SubmissionIndex>,
+        ) -> Result<Vec<u8>, BackendError> {
+            let out = read_mapped(staging, bytes, || match after {
+                None => self.wait(),
+                Some(index) => {
+                    self.device
+                        .poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: None })
+                        .map_err(|e| err(format!("device lost: {e}")))?;
+                    self.check_errors()
+                }
+            });
             if out.is_err() {
                 *self.staging.borrow_mut() = None;
             }
             out
+        }
+
+        /// The device sampler's commands for draw `s` on the last step's logits, ending with a
+        /// copy of the id into the read-back buffer `staging`.
+        fn encode_sample(&self, s: &DeviceSample, staging: &wgpu::Buffer) -> wgpu::CommandBuffer {
+            let sm = &self.sampler;
+            let words = [
+                self.program.n_vocab() as u32,
+                s.candidates(),
+                s.temperature.to_bits(),
+                s.top_p.to_bits(),
+                s.min_p.to_bits(),
+                s.r.to_bits(),
+                0,
+                0,
+            ];
+            self.queue.write_buffer(&sm.params, 0, bytemuck::cast_slice(&words));
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("sample") });
+            // (entry of SAMPLE_ENTRIES, workgroups)
+            let mut seq = Vec::with_capacity(10);
+            if s.is_greedy() {
+                seq.extend([(0, sm.groups), (1, 1)]);
+            } else {
+                enc.clear_buffer(&sm.hist, 0, None);
+                enc.clear_buffer(&sm.st, 0, Some(4 * super::SAMPLE_ST_HEADER as u64));
+                for _ in 0..4 {
+                    seq.extend([(2, sm.groups), (3, 1)]);
+                }
+                seq.extend([(4, sm.groups), (5, 1)]);
+            }
+            {
+                let mut pass =
+                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+                for (i, groups) in seq {
+                    pass.set_pipeline(&sm.passes[i].0);
+                    pass.set_bind_group(0, &sm.passes[i].1, &[]);
+                    pass.dispatch_workgroups(groups, 1, 1);
+                }
+            }
+            enc.copy_buffer_to_buffer(&sm.st, 4 * super::SAMPLE_ST_OUT as u64, staging, 0, 4);
+            enc.finish()
+        }
+
+        /// Waits for the sampled id in `staging` (written by submission `after`) and checks it.
+        fn sampled_id(
+            &self,
+            staging: &wgpu::Buffer,
+            after: Option<wgpu::SubmissionIndex>,
+            t0: std::time::Instant,
+        ) -> Result<u32, BackendError> {
+            let raw = self.map_read(staging, 4, after)?;
+            if let Some(h) = &self.host_times {
+                let mut h = h.borrow_mut();
+                h.reads += 1;
+                h.read += t0.elapsed();
+            }
+            let id = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+            let n = self.program.n_vocab();
+            if id as usize >= n {
+                return Err(err(format!("the device sampler returned token {id} of a {n}-token vocabulary")));
+            }
+            Ok(id)
         }
 
         /// Copies the first `bytes` of `buf` back (the queue flushed by the caller).
@@ -1555,7 +1665,7 @@ mod imp {
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("read") });
             enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
             self.queue.submit([enc.finish()]);
-            let mut out = self.map_read(&staging, size)?;
+            let mut out = self.map_read(&staging, size, None)?;
             out.truncate(bytes as usize);
             if let Some(h) = &self.host_times {
                 let mut h = h.borrow_mut();
@@ -1660,61 +1770,55 @@ mod imp {
 
         fn sample(&mut self, s: &DeviceSample) -> Result<Option<u32>, BackendError> {
             let t0 = std::time::Instant::now();
-            let n = self.program.n_vocab();
-            let sm = &self.sampler;
-            let words = [
-                n as u32,
-                s.candidates(),
-                s.temperature.to_bits(),
-                s.top_p.to_bits(),
-                s.min_p.to_bits(),
-                s.r.to_bits(),
-                0,
-                0,
-            ];
-            self.queue.write_buffer(&sm.params, 0, bytemuck::cast_slice(&words));
             let staging = self.staging(4);
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("sample") });
-            // (entry of SAMPLE_ENTRIES, workgroups)
-            let mut seq = Vec::with_capacity(10);
-            if s.is_greedy() {
-                seq.extend([(0, sm.groups), (1, 1)]);
-            } else {
-                enc.clear_buffer(&sm.hist, 0, None);
-                enc.clear_buffer(&sm.st, 0, Some(4 * super::SAMPLE_ST_HEADER as u64));
-                for _ in 0..4 {
-                    seq.extend([(2, sm.groups), (3, 1)]);
-                }
-                seq.extend([(4, sm.groups), (5, 1)]);
-            }
-            {
-                let mut pass =
-                    enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-                for (i, groups) in seq {
-                    pass.set_pipeline(&sm.passes[i].0);
-                    pass.set_bind_group(0, &sm.passes[i].1, &[]);
-                    pass.dispatch_workgroups(groups, 1, 1);
-                }
-            }
-            enc.copy_buffer_to_buffer(&sm.st, 4 * super::SAMPLE_ST_OUT as u64, &staging, 0, 4);
+            let cb = self.encode_sample(s, &staging);
             // The last step's commands and the sampler's in one submit.
             let mut cbs = Vec::with_capacity(2);
             cbs.extend(self.pending.take());
-            cbs.push(enc.finish());
+            cbs.push(cb);
             self.submit(cbs);
             self.check_errors()?;
             self.prepare();
-            let raw = self.map_read(&staging, 4)?;
+            self.sampled_id(&staging, None, t0).map(Some)
+        }
+
+        fn samples_then_steps(&self) -> bool {
+            self.feed_ahead
+        }
+
+        fn sample_then_step(&mut self, s: &DeviceSample, pos: u32) -> Result<u32, BackendError> {
+            let t0 = std::time::Instant::now();
+            let next = StepParams::new(0, pos);
+            self.program.check_params(&next).map_err(err)?;
+            let staging = self.staging(4);
+            let cb = self.encode_sample(s, &staging);
+            let mut cbs = Vec::with_capacity(2);
+            cbs.extend(self.pending.take());
+            cbs.push(cb);
+            let sampled = self.submit(cbs);
+            self.check_errors()?;
+            // The next step's position now, its token from the sampler's state on the device: the
+            // write lands after the sampler's submit, the copy before the step's dispatches.
+            self.write_params(&next)?;
+            let mut enc =
+                self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("sampled token") });
+            enc.copy_buffer_to_buffer(&self.sampler.st, 4 * super::SAMPLE_ST_OUT as u64, &self.params, 0, 4);
+            let step = match self.ready.take() {
+                Some(cb) => cb,
+                None => self.encode(&self.dispatches, 0..usize::MAX),
+            };
+            self.submit([enc.finish(), step]);
             if let Some(h) = &self.host_times {
-                let mut h = h.borrow_mut();
-                h.reads += 1;
-                h.read += t0.elapsed();
+                h.borrow_mut().tokens += 1;
             }
-            let id = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
-            if id as usize >= n {
-                return Err(err(format!("the device sampler returned token {id} of a {n}-token vocabulary")));
-            }
-            Ok(Some(id))
+            self.check_errors()?;
+            // The token after it encoded while the GPU runs both; then only the sampler is waited for.
+            self.prepare();
+            self.sampled_id(&staging, Some(sampled), t0)
+        }
+
+        fn load_report(&self) -> Option<String> {
+            Some(self.report.clone())
         }
 
         fn profile(&mut self, p: &StepParams) -> Result<Vec<(String, f64)>, BackendError> {
@@ -1788,6 +1892,8 @@ mod imp {
                 };
                 self.queue.write_buffer(b, 0, bytemuck::cast_slice(&vec![word; d.len.max(1)]));
             }
+            // The writes run at a submit: done before the call returns, not inside the next step.
+            self.submit([]);
             self.wait()
         }
 
