@@ -81,13 +81,34 @@ fn q8_load(second: bool, wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
     return k;
 }
 
+// The Q8_0 input that mat_vec_q8_0_quant's workgroup made itself (x_in_wg), or XQ4: quants as
+// vectors of 4 words from vector 0, scales by block.
+var<workgroup> xq_wg: array<vec4<u32>, 512>;
+var<workgroup> xd_wg: array<f32, 256>;
+var<private> x_in_wg: bool;
+
+fn xq4(i: u32) -> vec4<u32> {
+    if (x_in_wg) {
+        return xq_wg[i];
+    }
+    return XQ4[i];
+}
+
+// The scale of word i of XQ4 (arg 4 the scales' first word).
+fn xdx(i: u32) -> f32 {
+    if (x_in_wg) {
+        return xd_wg[i - arg(4u)];
+    }
+    return bitcast<f32>(XQ4[i / 4u][i % 4u]);
+}
+
 // The lane's partial sum of one chunk, from +0: (f16(d_w) * d_x) * isum for block b < nb.
 fn q8_chunk(k: Q8Block, xq: u32, xd: u32, b: u32, nb: u32) -> f32 {
     var acc = zero();
     if (b < nb) {
-        let x0 = XQ4[xq + 2u * b];
-        let x1 = XQ4[xq + 2u * b + 1u];
-        let dx = bitcast<f32>(XQ4[(xd + b) / 4u][(xd + b) % 4u]);
+        let x0 = xq4(xq + 2u * b);
+        let x1 = xq4(xq + 2u * b + 1u);
+        let dx = xdx(xd + b);
         let isum = dot4i8(k.w0.x, x0.x) + dot4i8(k.w0.y, x0.y) + dot4i8(k.w0.z, x0.z) + dot4i8(k.w0.w, x0.w)
             + dot4i8(k.w1.x, x1.x) + dot4i8(k.w1.y, x1.y) + dot4i8(k.w1.z, x1.z) + dot4i8(k.w1.w, x1.w);
         acc = fadd(acc, fmul(fmul(h2f(k.s & 0xffffu), dx), f32(isum)));
@@ -136,6 +157,83 @@ fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (!guard_at(P.pos + wid.z)) {
         return;
     }
+    q8_rows(wid, nwg, lid);
+}
+
+// The second input of mat_vec_q8_0_quant's SwiGLU (the up projection; X is the gate).
+@group(0) @binding(11) var<storage, read> X2: array<f32>;
+
+// The weight of mat_vec_q8_0_quant's norm.
+@group(0) @binding(12) var<storage, read> NW: array<f32>;
+// That norm's scale (row_scale of X).
+var<private> norm_scale: f32;
+
+// Value i of mat_vec_q8_0_quant's input by its kind (arg 7): 0 X; 1 the SwiGLU of X and X2 at
+// clamp arg 8 (swiglu's values); 2 the RmsNorm of X with weight NW (rms_norm's values).
+fn quant_input(i: u32) -> f32 {
+    if (arg(7u) == 1u) {
+        return swiglu_clamped(X[i], X2[i], argf(8u));
+    }
+    if (arg(7u) == 2u) {
+        return fmul(fmul(X[i], norm_scale), NW[i]);
+    }
+    return X[i];
+}
+
+// mat_vec_q8_0 (one row, ungrouped, at most 8192 terms) whose workgroups each quantize the
+// input themselves, instead of a quantize_q8_0 or swiglu dispatch before it: an invocation per
+// 32-block, with quantize_q8_0's values (d = amax / 127, q = round-half-even(x * (1/d)); the
+// largest magnitude is exact in any order), into workgroup memory. args: mat_vec_q8_0's, then
+// the input's kind (quant_input), the SwiGLU's clamp or the norm's eps, and the workgroups. A
+// norm also writes its output (NORM_OUT), each workgroup its share.
+@compute @workgroup_size(256)
+fn mat_vec_q8_0_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    if (arg(7u) == 2u) {
+        norm_scale = row_scale(0u, n, argf(8u), lid);
+        let per = (n + arg(9u) - 1u) / arg(9u);
+        let begin = min(group_index(wid, nwg) * per, n);
+        for (var i = begin + lid; i < min(begin + per, n); i = i + 256u) {
+            NORM_OUT[i] = quant_input(i);
+        }
+    }
+    let nb = n / 32u;
+    for (var b = lid; b < nb; b = b + 256u) {
+        var v: array<f32, 32>;
+        var amax = 0.0;
+        for (var k = 0u; k < 32u; k = k + 1u) {
+            v[k] = quant_input(b * 32u + k);
+            amax = max(amax, abs(v[k]));
+        }
+        let d = fdiv(amax, 127.0);
+        var id = 0.0;
+        if (d != 0.0) {
+            id = fdiv(1.0, d);
+        }
+        var w: array<u32, 8>;
+        for (var k = 0u; k < 8u; k = k + 1u) {
+            var word = 0u;
+            for (var j = 0u; j < 4u; j = j + 1u) {
+                let q = clamp(i32(round(fmul(v[4u * k + j], id))), -128, 127);
+                word = word | ((u32(q) & 255u) << (8u * j));
+            }
+            w[k] = word;
+        }
+        xq_wg[2u * b] = vec4<u32>(w[0], w[1], w[2], w[3]);
+        xq_wg[2u * b + 1u] = vec4<u32>(w[4], w[5], w[6], w[7]);
+        xd_wg[b] = d;
+    }
+    workgroupBarrier();
+    x_in_wg = true;
+    q8_rows(wid, nwg, lid);
+}
+
+// mat_vec_q8_0's rows. Call in uniform control flow.
+fn q8_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) {
     if (arg(6u) > 1u) {
         q8_short_rows(wid, nwg, lid, arg(6u));
         return;
@@ -687,4 +785,45 @@ fn mat_vec_f16_split_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         NORM_OUT[i] = fmul(X[i], scale);
     }
     mat_vec_split(wid, nwg, lid, true, scale, true);
+}
+
+// mat_vec_f16_split_norm at one 512-chunk per 32-lane group (kernels/fused.cu hc_pre's shape:
+// 8x more lane groups streaming the weights at once): lane group k of the dispatch computes chunk
+// k % n_chunks of row k / n_chunks and stores that chunk's sum at OUT[k]. Its reader (hc_pre_norm)
+// adds a row's chunk sums in chunk order from +0, as mat_vec_split's invocation 0 does: the same
+// bits. The scale and NORM_OUT as mat_vec_f16_split_norm. args: in_dim (whole chunks), rows,
+// workgroups, 0, eps, 0, from_ss.
+@compute @workgroup_size(256)
+fn mat_vec_f16_chunks_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_index) lid: u32) {
+    if (!guard()) {
+        return;
+    }
+    let n = arg(0u);
+    let rows = arg(1u);
+    var scale: f32;
+    if (arg(6u) != 0u) {
+        var ss = zero();
+        for (var c = 0u; c < n / 512u; c = c + 1u) {
+            ss = fadd(ss, SS[c]);
+        }
+        scale = scale_of_sum(ss, n, argf(4u));
+    } else {
+        scale = row_scale(0u, n, argf(4u), lid);
+    }
+    let g = group_index(wid, nwg);
+    let per = (n + arg(2u) - 1u) / arg(2u);
+    let begin = min(g * per, n);
+    let end = min(begin + per, n);
+    for (var i = begin + lid; i < end; i = i + 256u) {
+        NORM_OUT[i] = fmul(X[i], scale);
+    }
+    split_second = false;
+    let nc = n / 512u;
+    let k = g * 8u + lid / 32u;
+    let kk = min(k, rows * nc - 1u);
+    let s = lane_sum(f16_terms(load_f16((kk / nc) * n, 0u, (kk % nc) * 512u, lid % 32u, scale, true)), lid);
+    if (k < rows * nc && lid % 32u == 0u) {
+        OUT[k] = s;
+    }
 }

@@ -58,8 +58,18 @@ fn stream_sum(d: u32) -> f32 {
 }
 
 // The Sinkhorn's inputs (sinkhorn.wgsl).
+// With arg 13 = n_chunks > 0, MIX holds each mix row's chunk sums (mat_vec_f16_chunks_norm),
+// added here in chunk order from +0 as mat_vec_split adds its own.
 fn sk_mix(i: u32) -> f32 {
-    return MIX[i];
+    let nc = arg(13u);
+    if (nc == 0u) {
+        return MIX[i];
+    }
+    var t = zero();
+    for (var c = 0u; c < nc; c = c + 1u) {
+        t = fadd(t, MIX[i * nc + c]);
+    }
+    return t;
 }
 fn sk_scale(i: u32) -> f32 {
     return HSCALE[i];
@@ -74,7 +84,8 @@ fn sk_base(i: u32) -> f32 {
 // last workgroup, which stores the whole split (SPLIT) for the HcPost. Workgroups 0 .. slices
 // are rms_norm's (args 0..9 are rms_norm's, without RoPE), each reading the weighted sum
 // wherever rms_norm reads its row (every value computed by the same operations, so the same
-// bits) and storing its slice of it (CUR). args 10..12: n_hc (at most 8), iters, eps of the HC.
+// bits) and storing its slice of it (CUR). args 10..13: n_hc (at most 8), iters, eps of the HC,
+// and the mix's chunks per row (0: MIX holds the mix itself).
 // The Sinkhorn's workgroup runs it on 32 lanes where n_hc * n_hc <= 32, else on all 256.
 @compute @workgroup_size(256)
 fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

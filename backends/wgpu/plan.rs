@@ -25,6 +25,30 @@ pub enum Scratch {
     Scores,
     /// The 512-chunk sums of squares of an HC post's output, for the HC mix that normalizes it.
     HcSumSq,
+    /// The HC mix's chunk sums per row (`mat_vec_f16_chunks_norm`), for the hc_pre_norm that
+    /// adds them.
+    HcMixParts,
+}
+
+/// At most this many workgroups of a Q8_0 matvec quantize its input each (about one wave on the
+/// H200's 132 SMs at 8 workgroups each): the LM head's 16160 would repeat it 15 times in a row.
+const Q8_QUANT_MAX_GROUPS: u32 = 1024;
+
+/// How `mat_vec_q8_0_quant` computes the input it quantizes from its X.
+#[derive(Clone, Copy)]
+enum QuantInput {
+    Plain,
+    /// The SwiGLU of X (the gate) and `up`.
+    SwiGlu {
+        up: Buf,
+        clamp: f32,
+    },
+    /// The RmsNorm of X with `weight`, written to `out` too.
+    Norm {
+        weight: Res,
+        out: Buf,
+        eps: f32,
+    },
 }
 
 /// A dispatch's bindings: (binding number, what is bound).
@@ -100,7 +124,9 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "mat_vec_f32_rows"
         | "mat_vec_f16_split"
         | "mat_vec_f32_split"
-        | "mat_vec_f16_split_norm" => "matvec",
+        | "mat_vec_f16_split_norm"
+        | "mat_vec_f16_chunks_norm"
+        | "mat_vec_q8_0_quant" => "matvec",
         "rms_norm" | "rms_norm_kv" | "kv_finish" | "hc_pre_norm" => "norm",
         "swiglu" | "add" => "elementwise",
         "rope_tail" | "rope_tail_q8" => "rope",
@@ -199,6 +225,15 @@ struct Builder<'a> {
     /// the H200, flash-4l 424.2 / 428.3 tok/s fused against 424.6 / 422.0 apart, 8 fewer
     /// dispatches (the ninth session's "slower" was measured while the GPU's clock ramped up).
     hc_pre_norm: bool,
+    /// The HC mixes that an hc_pre_norm reads at one chunk per lane group
+    /// (`mat_vec_f16_chunks_norm`), else a row per workgroup (`DS4_WGPU_HC_MIX=rows`).
+    hc_mix_chunks: bool,
+    /// Q8_0 matvecs whose input nothing else reads quantize it in each workgroup
+    /// (`mat_vec_q8_0_quant`), the SwiGLU before them too; `DS4_WGPU_Q8_QUANT=apart` keeps the
+    /// quantize_q8_0 and swiglu dispatches.
+    q8_quant: bool,
+    /// The HcSplit op whose hc_pre_norm adds the mix's chunk sums, and the chunks per row.
+    mix_parts: Option<(usize, u32)>,
     /// Q8_0 rows of one or two chunks 4 or 2 to a lane group (`q8_short_rows`):
     /// `DS4_WGPU_Q8_ROWS=1` keeps one row per lane group.
     q8_short_rows: bool,
@@ -503,7 +538,7 @@ impl Builder<'_> {
         self.absorb(j);
         self.layout(w, Layout::Rows(vec![(0, rows as u32)]))?;
         // The split-K pair's bindings, unread here.
-        let binds = vec![
+        let mut binds = vec![
             (2, Res::Weight(w, 0)),
             (3, Res::Buf(x)),
             (4, Res::Buf(mix)),
@@ -512,9 +547,67 @@ impl Builder<'_> {
             (9, Res::Weight(w, 0)),
             (10, if from_ss { Res::Scratch(Scratch::HcSumSq) } else { Res::Dummy }),
         ];
+        // Where an hc_pre_norm reads the mix next and nothing after it does, one chunk per lane
+        // group, the chunk sums left for hc_pre_norm to add.
+        let nc = n / 512;
+        let split = self.ahead(j).next().and_then(|k| match self.program.steps()[k].op {
+            Op::HcSplit { mix: m, split, n_hc, .. } if m == mix && (1..=8).contains(&n_hc) => Some((k, split, n_hc)),
+            _ => None,
+        });
+        let parts = self.hc_mix_chunks
+            && n.is_multiple_of(512)
+            && split.is_some_and(|(k, split, n_hc)| {
+                self.hc_pre_norm_ops(k, mix, split, n_hc).is_some() && !self.read_before_rewritten(mix, k)
+            });
+        if parts {
+            let (k, _, _) = split.unwrap();
+            let wgs = (rows as u32 * nc).div_ceil(8);
+            binds[2] = (4, Res::Scratch(Scratch::HcMixParts));
+            self.need(Scratch::HcMixParts, rows * nc as u64 * 4);
+            self.mix_parts = Some((k, nc));
+            let args = vec![n, rows as u32, wgs, 0, eps.to_bits(), 0, from_ss as u32];
+            self.push("mat_vec_f16_chunks_norm", wgs, args, binds);
+            return Ok(true);
+        }
         let args = vec![n, rows as u32, rows as u32, 0, eps.to_bits(), 0, from_ss as u32];
         self.push("mat_vec_f16_split_norm", rows as u32, args, binds);
         Ok(true)
+    }
+
+    /// Whether an op after op `at` reads `buf` before an op that runs every token rewrites it.
+    fn read_before_rewritten(&self, buf: Buf, at: usize) -> bool {
+        for st in &self.program.steps()[at + 1..] {
+            if st.op.reads().contains(&buf) {
+                return true;
+            }
+            if st.cond.is_none() && st.op.writes().contains(&buf) {
+                return false;
+            }
+        }
+        false
+    }
+
+    /// The HcWeightedSum and RmsNorm that one `hc_pre_norm` computes with the HcSplit at op `at`
+    /// (of `mix` into `split`, `n_hc` streams), if the plan fuses them and they have its shape.
+    fn hc_pre_norm_ops(&self, at: usize, mix: Buf, split: Buf, n_hc: u32) -> Option<(usize, usize)> {
+        if !self.fuse || !self.hc_pre_norm {
+            return None;
+        }
+        let steps = self.program.steps();
+        let ahead: Vec<usize> = (at + 1..steps.len()).filter(|&k| !self.done[k]).take(2).collect();
+        let &[j1, j2] = ahead.as_slice() else { return None };
+        let Op::HcWeightedSum { hc, weights, out: cur, n_hc: n2 } = steps[j1].op else { return None };
+        let Op::RmsNorm { x, weight: Some(_), out, n, rows: 1, .. } = steps[j2].op else { return None };
+        let bufs = [mix, split, hc, cur, out];
+        let distinct = (0..5).all(|i| (i + 1..5).all(|k| bufs[i] != bufs[k]));
+        let shape = weights == split
+            && n2 == n_hc
+            && x == cur
+            && self.len(cur) == n as usize
+            && self.len(hc) == (n * n_hc) as usize
+            && n.is_multiple_of(NORM_SLICE);
+        let same_cond = [at, j1, j2].iter().all(|&k| pack_cond(steps[k].cond) == self.cond);
+        (distinct && shape && same_cond).then_some((j1, j2))
     }
 
     /// At an HcSplit followed by the HcWeightedSum of its pre weights and the RmsNorm (with
@@ -531,26 +624,19 @@ impl Builder<'_> {
         iters: u32,
         eps_hc: f32,
     ) -> Result<bool, String> {
-        if !self.fuse || !self.hc_pre_norm {
-            return Ok(false);
+        let parts = self.mix_parts.take();
+        if parts.is_some_and(|(k, _)| k != self.op) {
+            return Err("the HC mix's chunk sums were planned for another HC split".into());
         }
+        let Some((j1, j2)) = self.hc_pre_norm_ops(self.op, mix, split, n_hc) else {
+            return match parts {
+                Some(_) => Err("the HC mix's chunk sums were planned for an hc_pre_norm that is not".into()),
+                None => Ok(false),
+            };
+        };
         let steps = self.program.steps();
-        let ahead: Vec<usize> = (self.op + 1..steps.len()).filter(|&k| !self.done[k]).take(2).collect();
-        let &[j1, j2] = ahead.as_slice() else { return Ok(false) };
-        let Op::HcWeightedSum { hc, weights, out: cur, n_hc: n2 } = steps[j1].op else { return Ok(false) };
-        let Op::RmsNorm { x, weight: Some(nw), out, n, rows: 1, eps } = steps[j2].op else { return Ok(false) };
-        let bufs = [mix, split, hc, cur, out];
-        let distinct = (0..5).all(|i| (i + 1..5).all(|k| bufs[i] != bufs[k]));
-        let shape = weights == split
-            && n2 == n_hc
-            && x == cur
-            && self.len(cur) == n as usize
-            && self.len(hc) == (n * n_hc) as usize
-            && n.is_multiple_of(NORM_SLICE);
-        let same_cond = [j1, j2].iter().all(|&k| pack_cond(steps[k].cond) == self.cond);
-        if !(distinct && shape && same_cond) {
-            return Ok(false);
-        }
+        let Op::HcWeightedSum { hc, out: cur, .. } = steps[j1].op else { unreachable!() };
+        let Op::RmsNorm { weight: Some(nw), out, n, eps, .. } = steps[j2].op else { unreachable!() };
         self.absorb(j1);
         self.absorb(j2);
         let wv = self.vector(nw)?;
@@ -577,15 +663,30 @@ impl Builder<'_> {
             (5, xq),
             (6, Res::Dummy),
             (9, xk),
-            (10, Res::Buf(mix)),
+            (10, if parts.is_some() { Res::Scratch(Scratch::HcMixParts) } else { Res::Buf(mix) }),
             (11, scale),
             (12, base),
             (13, Res::Buf(split)),
             (14, Res::Buf(cur)),
             (15, Res::Dummy),
         ];
-        let args =
-            vec![n, eps.to_bits(), 1, slices, per, slices, q8 as u32, q8k as u32, 0, 0, n_hc, iters, eps_hc.to_bits()];
+        let nc = parts.map_or(0, |(_, nc)| nc);
+        let args = vec![
+            n,
+            eps.to_bits(),
+            1,
+            slices,
+            per,
+            slices,
+            q8 as u32,
+            q8k as u32,
+            0,
+            0,
+            n_hc,
+            iters,
+            eps_hc.to_bits(),
+            nc,
+        ];
         if q8 {
             self.q8_of.push((out, self.cond));
         }
@@ -723,6 +824,99 @@ impl Builder<'_> {
         Ok(out)
     }
 
+    /// Whether the Q8_0 matvec of `w` at op `at` may quantize its input `x` in each of its
+    /// workgroups (`mat_vec_q8_0_quant`): one row range, one input of at most 8192 values that no
+    /// later op reads (so no other reader needs its quantization), or with `f32_readers` none that
+    /// reads it quantized.
+    fn q8_quant_fits(&self, w: WeightId, x: Buf, at: usize, f32_readers: bool) -> bool {
+        let t = self.program.weight(w);
+        let in_dim = t.dim(0);
+        let one_range = t.dim(1) * t.ty.row_bytes(in_dim as usize) as u64 <= self.max_binding.saturating_sub(16);
+        let readers_ok = match f32_readers {
+            true => !self.read_quantized_before_rewritten(x, at),
+            false => !self.read_before_rewritten(x, at),
+        };
+        self.fuse
+            && self.q8_quant
+            && !self.rows
+            && self.program.rows() == 1
+            && t.ty == GgmlType::Q8_0
+            && in_dim <= 8192
+            && in_dim.is_multiple_of(32)
+            && self.len(x) as u64 == in_dim
+            && one_range
+            && readers_ok
+            && self.q8_groups(t.dim(1) as u32, in_dim as u32) <= Q8_QUANT_MAX_GROUPS
+    }
+
+    /// Rows per 32 lanes for mat_vec_q8_0 with rows of `nb` blocks: short rows share a lane
+    /// group (q8_short_rows).
+    fn q8_per(&self, nb: u32) -> u32 {
+        match (self.q8_short_rows, nb) {
+            (true, 0..=32) => 4,
+            (true, 33..=64) => 2,
+            _ => 1,
+        }
+    }
+    /// mat_vec_q8_0's workgroups for `rows` rows of `in_dim`.
+    fn q8_groups(&self, rows: u32, in_dim: u32) -> u32 {
+        groups(rows as usize, 8 * self.q8_per(in_dim / 32) as usize)
+    }
+
+    /// Whether an op after op `at` reads `buf` as a Q8_0 matvec or the routed experts do (its
+    /// quantization) before an op that runs every token rewrites it.
+    fn read_quantized_before_rewritten(&self, buf: Buf, at: usize) -> bool {
+        for st in &self.program.steps()[at + 1..] {
+            let quantized = match st.op {
+                Op::MatVec { w, .. } | Op::MatVecGrouped { w, .. } => self.program.weight(w).ty == GgmlType::Q8_0,
+                Op::MoeExperts { .. } => true,
+                _ => false,
+            };
+            if quantized && st.op.reads().contains(&buf) {
+                return true;
+            }
+            if st.cond.is_none() && st.op.writes().contains(&buf) {
+                return false;
+            }
+        }
+        false
+    }
+
+    /// `mat_vec_q8_0_quant`: the Q8_0 matvec of `w` (ungrouped, one range) into `out`, whose
+    /// workgroups quantize its input themselves, computed from `x` as `input` says.
+    fn push_q8_0_quant(&mut self, w: WeightId, x: Buf, input: QuantInput, out: Buf) -> Result<(), String> {
+        let t = self.program.weight(w);
+        let (in_dim, rows) = (t.dim(0) as u32, t.dim(1) as u32);
+        self.layout(w, Layout::Rows(vec![(0, rows)]))?;
+        let wgs = self.q8_groups(rows, in_dim);
+        let (nb, per) = (in_dim / 32, self.q8_per(in_dim / 32));
+        let (kind, param, extra) = match input {
+            QuantInput::Plain => (0, 0, vec![]),
+            QuantInput::SwiGlu { up, clamp } => (1, clamp.to_bits(), vec![(11, Res::Buf(up))]),
+            QuantInput::Norm { weight, out: norm_out, eps } => {
+                (2, eps.to_bits(), vec![(12, weight), (8, Res::Buf(norm_out))])
+            }
+        };
+        let args = vec![in_dim, rows, rows, 0, in_dim / 4, rows * nb * 8, per, kind, param, wgs];
+        let mut binds = vec![
+            (2, Res::Weight(w, 0)),
+            (3, Res::Buf(x)),
+            (4, Res::Buf(out)),
+            (5, Res::DummyOut),
+            (6, Res::Weight(w, 0)),
+            (7, Res::Buf(out)),
+            (8, Res::DummyOut),
+            (11, Res::Dummy),
+            (12, Res::Dummy),
+        ];
+        for (b, r) in extra {
+            binds.retain(|(k, _)| *k != b);
+            binds.push((b, r));
+        }
+        self.push("mat_vec_q8_0_quant", wgs, args, binds);
+        Ok(())
+    }
+
     fn mat_vec(&mut self, w: WeightId, x: Buf, out: Buf, groups_n: u32) -> Result<(), String> {
         let t = self.program.weight(w);
         let (in_dim, rows) = (t.dim(0), t.dim(1));
@@ -737,6 +931,11 @@ impl Builder<'_> {
                 // Matvecs of one input (q_a and kv, the shared expert's gate and up) quantize it
                 // once, if nothing wrote it since and the quantization ran whenever this op runs
                 // (a norm or SwiGLU may have written it with its output).
+                let alone = groups_n == 1 && self.partner(x, GgmlType::Q8_0, in_dim).is_none();
+                if alone && !self.q8_fresh(x) && self.q8_quant_fits(w, x, self.op, false) {
+                    self.push_q8_0_quant(w, x, QuantInput::Plain, out)?;
+                    return Ok(());
+                }
                 let q8 = self.q8_scratch(x);
                 if !self.q8_fresh(x) {
                     let n = self.len(x) as u64;
@@ -776,13 +975,8 @@ impl Builder<'_> {
         for (k, &(row0, rows)) in ranges.iter().enumerate() {
             let mut args = vec![in_dim as u32, rows, rows_per_group, row0];
             let mut binds = vec![(2, Res::Weight(w, k as u32)), (3, Res::Buf(x)), (4, Res::Buf(out))];
-            // Rows per 32 lanes for mat_vec_q8_0: short rows share a lane group (q8_short_rows).
             let nb = in_dim as u32 / 32;
-            let per = match (self.q8_short_rows, nb) {
-                (true, 0..=32) => 4,
-                (true, 33..=64) => 2,
-                _ => 1,
-            };
+            let per = self.q8_per(nb);
             if entry == "mat_vec_q8_0" {
                 args.extend([n / 4, rows * nb * 8, per]);
                 binds.push((5, Res::Scratch(Scratch::Q8(x))));
@@ -858,6 +1052,17 @@ impl Builder<'_> {
                 }
                 if self.fuse && rows == 1 && weight.is_none() && self.try_norm_mat_vec(x, out, n, eps)? {
                     return Ok(());
+                }
+                // The Q8_0 matvec of the output right after (q_b of the query's latent), when no
+                // later op reads the output quantized: that matvec's workgroups normalize and
+                // quantize it, and write the output for later readers.
+                if let (true, 1, Some(_)) = (self.fuse && x != out, rows, weight) {
+                    if let Some((j, &Op::MatVec { w, x: mx, out: mo })) = self.next_op() {
+                        if mx == out && ![x, out].contains(&mo) && self.q8_quant_fits(w, out, j, true) {
+                            self.absorb(j);
+                            return self.push_q8_0_quant(w, x, QuantInput::Norm { weight: wv, out, eps }, mo);
+                        }
+                    }
                 }
                 // Long rows are written by several workgroups, each summing the whole row
                 // (the same bits in each); in place, one workgroup must read before it writes.
@@ -1229,6 +1434,14 @@ impl Builder<'_> {
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
+                // The Q8_0 matvec of the output right after (the shared expert's down), when
+                // nothing else reads it: that matvec's workgroups compute and quantize it.
+                if let Some((j, &Op::MatVec { w, x, out: mo })) = self.next_op() {
+                    if x == out && ![gate, up, out].contains(&mo) && self.q8_quant_fits(w, out, j, false) {
+                        self.absorb(j);
+                        return self.push_q8_0_quant(w, gate, QuantInput::SwiGlu { up, clamp }, mo);
+                    }
+                }
                 // Read by Q8_0 matvecs (the shared expert's down): SwiGLU writes the quantization.
                 let q8 = self.q8_read_later(out);
                 let xq = if q8 { self.q8_scratch(out) } else { Res::DummyOut };
@@ -1320,6 +1533,9 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         moe_down_pairs,
         moe_sum_later: None,
         ss_of: None,
+        hc_mix_chunks: std::env::var("DS4_WGPU_HC_MIX").map_or(true, |v| v != "rows"),
+        mix_parts: None,
+        q8_quant: std::env::var("DS4_WGPU_Q8_QUANT").map_or(true, |v| v != "apart"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1501,7 +1717,28 @@ mod tests {
                             in_place += (d.entry != "quantize_q8_0") as usize;
                             held.push((b, d.cond));
                         }
-                        if d.entry.starts_with("mat_vec_q8_0") {
+                        if d.entry == "mat_vec_q8_0_quant" {
+                            // It quantizes its input itself: X (bound at 3), or the SwiGLU of
+                            // the gate at 3 and the up at 11 that its matvec reads.
+                            let x = match (&steps[d.op].op, d.fused.as_slice()) {
+                                (&Op::MatVec { x, .. }, []) => x,
+                                (&Op::SwiGlu { gate, up, out, .. }, &[k]) => {
+                                    assert!(matches!(steps[k].op, Op::MatVec { x, .. } if x == out), "{name}: op {k}");
+                                    assert_eq!(bind(d, 11), Some(Res::Buf(up)), "{name}: op {}", d.op);
+                                    gate
+                                }
+                                (&Op::RmsNorm { x, out, .. }, &[k]) => {
+                                    assert!(matches!(steps[k].op, Op::MatVec { x, .. } if x == out), "{name}: op {k}");
+                                    assert_eq!(bind(d, 8), Some(Res::Buf(out)), "{name}: op {}", d.op);
+                                    x
+                                }
+                                (op, fused) => panic!("{name}: {op:?} and {fused:?} in mat_vec_q8_0_quant"),
+                            };
+                            assert_eq!(bind(d, 3), Some(Res::Buf(x)), "{name}: op {}", d.op);
+                            assert_eq!(bind(d, 5), Some(Res::DummyOut), "{name}: op {}", d.op);
+                            in_place += 1;
+                            checked += 1;
+                        } else if d.entry.starts_with("mat_vec_q8_0") {
                             let x = match steps[d.op].op {
                                 Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
                                 ref op => panic!("{name}: {op:?} in a Q8_0 matvec"),
@@ -1550,11 +1787,15 @@ mod tests {
         // The KV row's norm and finish run beside the query heads' norm.
         assert_eq!(by.get("kv_finish"), None);
         assert_eq!(by["rms_norm_kv"], 4);
-        assert_eq!(by["mat_vec_f16_split_norm"], 9);
+        // The 8 HC mixes that an hc_pre_norm reads at a chunk per lane group, the head's by rows.
+        assert_eq!(by["mat_vec_f16_chunks_norm"], 8);
+        assert_eq!(by["mat_vec_f16_split_norm"], 1);
         // Every HC mix but the token's first (after embed_hc) takes its row's sums of squares
         // from the HC post right before it, which is the dispatch before.
-        let mixes: Vec<usize> =
-            (0..fused.dispatches.len()).filter(|&i| fused.dispatches[i].entry == "mat_vec_f16_split_norm").collect();
+        let mixes: Vec<usize> = (0..fused.dispatches.len())
+            .filter(|&i| fused.dispatches[i].entry.starts_with("mat_vec_f16_"))
+            .filter(|&i| fused.dispatches[i].entry.ends_with("_norm"))
+            .collect();
         for (k, &i) in mixes.iter().enumerate() {
             let d = &fused.dispatches[i];
             assert_eq!(d.args[6], (k > 0) as u32, "HC mix {k}");
@@ -1563,6 +1804,20 @@ mod tests {
                 assert!(post.entry.starts_with("hc_post") && post.args[2] == 1, "{}", post.entry);
             }
         }
+        // Every hc_pre_norm adds the 32 chunk sums per row that the mix right before it left.
+        for i in (0..fused.dispatches.len()).filter(|&i| fused.dispatches[i].entry == "hc_pre_norm") {
+            let (d, mix) = (&fused.dispatches[i], &fused.dispatches[i - 1]);
+            assert_eq!(mix.entry, "mat_vec_f16_chunks_norm");
+            assert_eq!((d.args[13], mix.groups), (32, 24 * 32 / 8));
+            let bind = |d: &Dispatch, b: u32| d.binds.iter().find(|(k, _)| *k == b).map(|(_, r)| *r);
+            assert_eq!(bind(d, 10), Some(Res::Scratch(Scratch::HcMixParts)));
+            assert_eq!(bind(mix, 4), Some(Res::Scratch(Scratch::HcMixParts)));
+        }
+        // The attention output's wo_b and the shared expert's down quantize their inputs in
+        // each workgroup (the latter computes its SwiGLU too): no quantize or swiglu dispatch.
+        // So does q_b, normalizing the query's latent too (the LM head, 16160 workgroups, does not).
+        assert_eq!((by["mat_vec_q8_0_quant"], by.get("quantize_q8_0"), by.get("swiglu")), (12, None, None));
+        assert_eq!(by["rms_norm"], 4);
         // Only the experts' mid vectors are quantized to Q8_K on their own.
         assert_eq!(by["quantize_q8_k"], 4);
         // The attention output's inverse RoPE and Q8_0 are the attention's own.
@@ -1576,6 +1831,6 @@ mod tests {
         assert_eq!((by["moe_down_q2_k_pairs"], by.get("moe_down")), (4, None));
         // The routed experts' slot sums inside the HC post that adds the shared expert.
         assert_eq!((by.get("moe_sum"), by["hc_post_add_moe"], by.get("hc_post_add")), (None, 4, None));
-        assert!(fused.dispatches.len() <= 123, "{} dispatches", fused.dispatches.len());
+        assert!(fused.dispatches.len() <= 111, "{} dispatches", fused.dispatches.len());
     }
 }
