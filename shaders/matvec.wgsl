@@ -83,13 +83,13 @@ fn q8_load(second: bool, wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
 
 // The Q8_0 input that mat_vec_q8_0_quant's workgroup made itself (x_in_wg), or XQ4: quants as
 // vectors of 4 words from vector 0, scales by block.
-var<workgroup> xq_wg: array<vec4<u32>, 512>;
+var<workgroup> xq_wg: array<u32, 2048>;
 var<workgroup> xd_wg: array<f32, 256>;
 var<private> x_in_wg: bool;
 
 fn xq4(i: u32) -> vec4<u32> {
     if (x_in_wg) {
-        return xq_wg[i];
+        return vec4<u32>(xq_wg[4u * i], xq_wg[4u * i + 1u], xq_wg[4u * i + 2u], xq_wg[4u * i + 3u]);
     }
     return XQ4[i];
 }
@@ -181,7 +181,7 @@ fn quant_input(i: u32) -> f32 {
 }
 
 // mat_vec_q8_0 (one row, ungrouped, at most 8192 terms) whose workgroups each quantize the
-// input themselves, instead of a quantize_q8_0 or swiglu dispatch before it: an invocation per
+// input themselves, instead of a quantize_q8_0 or swiglu dispatch before it: 8 lanes per
 // 32-block, with quantize_q8_0's values (d = amax / 127, q = round-half-even(x * (1/d)); the
 // largest magnitude is exact in any order), into workgroup memory. args: mat_vec_q8_0's, then
 // the input's kind (quant_input), the SwiGLU's clamp or the norm's eps, and the workgroups. A
@@ -201,31 +201,32 @@ fn mat_vec_q8_0_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
             NORM_OUT[i] = quant_input(i);
         }
     }
+    // Rounds of 32 blocks, 8 lanes per block (lane l holds values 4 (l % 8) .. + 3 of block
+    // l / 8 of its group's 4): the lanes' largest magnitudes by an 8-lane butterfly.
     let nb = n / 32u;
-    for (var b = lid; b < nb; b = b + 256u) {
-        var v: array<f32, 32>;
-        var amax = 0.0;
-        for (var k = 0u; k < 32u; k = k + 1u) {
-            v[k] = quant_input(b * 32u + k);
-            amax = max(amax, abs(v[k]));
-        }
+    let lane = lid % 32u;
+    for (var b0 = 0u; b0 < nb; b0 = b0 + 32u) {
+        let b = b0 + (lid / 32u) * 4u + lane / 8u;
+        let live = b < nb;
+        let i = min(b, nb - 1u) * 32u + (lane % 8u) * 4u;
+        let v = vec4<f32>(quant_input(i), quant_input(i + 1u), quant_input(i + 2u), quant_input(i + 3u));
+        let amax = lane_max_w(max(max(abs(v.x), abs(v.y)), max(abs(v.z), abs(v.w))), lid, 8u);
         let d = fdiv(amax, 127.0);
         var id = 0.0;
         if (d != 0.0) {
             id = fdiv(1.0, d);
         }
-        var w: array<u32, 8>;
-        for (var k = 0u; k < 8u; k = k + 1u) {
-            var word = 0u;
-            for (var j = 0u; j < 4u; j = j + 1u) {
-                let q = clamp(i32(round(fmul(v[4u * k + j], id))), -128, 127);
-                word = word | ((u32(q) & 255u) << (8u * j));
-            }
-            w[k] = word;
+        var word = 0u;
+        for (var j = 0u; j < 4u; j = j + 1u) {
+            let q = clamp(i32(round(fmul(v[j], id))), -128, 127);
+            word = word | ((u32(q) & 255u) << (8u * j));
         }
-        xq_wg[2u * b] = vec4<u32>(w[0], w[1], w[2], w[3]);
-        xq_wg[2u * b + 1u] = vec4<u32>(w[4], w[5], w[6], w[7]);
-        xd_wg[b] = d;
+        if (live) {
+            xq_wg[b * 8u + lane % 8u] = word;
+            if (lane % 8u == 0u) {
+                xd_wg[b] = d;
+            }
+        }
     }
     workgroupBarrier();
     x_in_wg = true;
@@ -333,7 +334,7 @@ fn q8_short_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, per: u32) {
 @compute @workgroup_size(256)
 fn mat_vec_q8_0_pair(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard() || sinkhorn_host(wid, nwg, lid)) {
         return;
     }
     let in_dim = arg(0u);
@@ -733,7 +734,7 @@ fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool, xs: f32
 @compute @workgroup_size(256)
 fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
+    if (!guard() || sinkhorn_host(wid, nwg, lid)) {
         return;
     }
     mat_vec_split(wid, nwg, lid, true, 0.0, false);
@@ -826,4 +827,44 @@ fn mat_vec_f16_chunks_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     if (k < rows * nc && lid % 32u == 0u) {
         OUT[k] = s;
     }
+}
+
+// An HC split's Sinkhorn in one more workgroup of the dispatch right after its hc_pre_norm
+// (mat_vec_q8_0_pair, mat_vec_f16_split): only the HC post at the sublayer's end reads the split,
+// so it runs beside this dispatch's rows instead of after hc_pre_norm's norm. arg 20: that
+// workgroup + 1 (0: none); 21..24: n_hc, iters, eps, the mix's chunks per row (0: HMIX holds the
+// mix). The split as hc_pre_norm's last workgroup stores it (hc_split_store).
+@group(0) @binding(13) var<storage, read> HMIX: array<f32>;
+@group(0) @binding(14) var<storage, read> HSCALE: array<f32>;
+@group(0) @binding(15) var<storage, read> HBASE: array<f32>;
+@group(0) @binding(16) var<storage, read_write> HSPLIT: array<f32>;
+
+fn sk_mix(i: u32) -> f32 {
+    let nc = arg(24u);
+    if (nc == 0u) {
+        return HMIX[i];
+    }
+    var t = zero();
+    for (var c = 0u; c < nc; c = c + 1u) {
+        t = fadd(t, HMIX[i * nc + c]);
+    }
+    return t;
+}
+fn sk_scale(i: u32) -> f32 {
+    return HSCALE[i];
+}
+fn sk_base(i: u32) -> f32 {
+    return HBASE[i];
+}
+fn sk_store(i: u32, v: f32) {
+    HSPLIT[i] = v;
+}
+
+// Whether this workgroup is the Sinkhorn's (and ran it). Call in uniform control flow.
+fn sinkhorn_host(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> bool {
+    if (arg(20u) == 0u || group_index(wid, nwg) != arg(20u) - 1u) {
+        return false;
+    }
+    hc_split_store(lid, arg(21u), arg(22u), argf(23u));
+    return true;
 }

@@ -139,17 +139,18 @@ pub fn shader_source(file: &str, build: ShaderBuild) -> Option<String> {
         "norm" | "matvec" => include_str!("../../shaders/row_scale.wgsl"),
         _ => "",
     };
-    // The HC split's Sinkhorn, for the HC ops and the norm that fuses them (hc_pre_norm).
+    // The HC split's Sinkhorn, for the HC ops, the norm that fuses them (hc_pre_norm) and the
+    // matvecs that may run it after that norm.
     // With the exchange of `sinkhorn_lanes`: subgroup shuffles or workgroup memory, as the lanes.
     let sinkhorn = match (file, subgroups) {
-        ("hc" | "norm", true) => {
+        ("hc" | "norm" | "matvec", true) => {
             concat!(
                 include_str!("../../shaders/sinkhorn.wgsl"),
                 "\n",
                 include_str!("../../shaders/sinkhorn_subgroup.wgsl")
             )
         }
-        ("hc" | "norm", false) => {
+        ("hc" | "norm" | "matvec", false) => {
             concat!(
                 include_str!("../../shaders/sinkhorn.wgsl"),
                 "\n",

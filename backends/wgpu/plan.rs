@@ -34,6 +34,20 @@ pub enum Scratch {
 /// H200's 132 SMs at 8 workgroups each): the LM head's 16160 would repeat it 15 times in a row.
 const Q8_QUANT_MAX_GROUPS: u32 = 1024;
 
+/// The entry points that can run an HC split's Sinkhorn in one more workgroup
+/// (matvec.wgsl's `sinkhorn_host`).
+const SINKHORN_HOSTS: [&str; 2] = ["mat_vec_q8_0_pair", "mat_vec_f16_split"];
+
+/// An HC split's Sinkhorn that hc_pre_norm (dispatch `at`) left to the next dispatch: its
+/// arguments (n_hc, iters, eps, the mix's chunks per row) and bindings (13..16: mix, scale, base,
+/// split), under predicate `cond`.
+struct SinkhornJob {
+    at: usize,
+    cond: [u32; 3],
+    args: [u32; 4],
+    binds: Binds,
+}
+
 /// How `mat_vec_q8_0_quant` computes the input it quantizes from its X.
 #[derive(Clone, Copy)]
 enum QuantInput {
@@ -232,6 +246,10 @@ struct Builder<'a> {
     /// (`mat_vec_q8_0_quant`), the SwiGLU before them too; `DS4_WGPU_Q8_QUANT=apart` keeps the
     /// quantize_q8_0 and swiglu dispatches.
     q8_quant: bool,
+    /// hc_pre_norm leaves its Sinkhorn to the next dispatch where that one can run it
+    /// (`DS4_WGPU_SINKHORN=norm` keeps it in hc_pre_norm).
+    sinkhorn_late: bool,
+    sinkhorn_later: Option<SinkhornJob>,
     /// The HcSplit op whose hc_pre_norm adds the mix's chunk sums, and the chunks per row.
     mix_parts: Option<(usize, u32)>,
     /// Q8_0 rows of one or two chunks 4 or 2 to a lane group (`q8_short_rows`):
@@ -253,9 +271,29 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn push(&mut self, entry: &'static str, groups: u32, args: Vec<u32>, binds: Vec<(u32, Res)>) {
+    fn push(&mut self, entry: &'static str, mut groups: u32, mut args: Vec<u32>, mut binds: Vec<(u32, Res)>) {
         let fused = self.absorbed.clone();
+        if SINKHORN_HOSTS.contains(&entry) {
+            // The Sinkhorn left by the hc_pre_norm just before, in one more workgroup.
+            match self.sinkhorn_later.take_if(|job| job.cond == self.cond) {
+                Some(job) => {
+                    args.resize(20, 0);
+                    args.extend([groups + 1, job.args[0], job.args[1], job.args[2], job.args[3]]);
+                    binds.extend(job.binds);
+                    groups += 1;
+                }
+                None => binds.extend([(13, Res::Dummy), (14, Res::Dummy), (15, Res::Dummy), (16, Res::DummyOut)]),
+            }
+        }
+        self.sinkhorn_back();
         self.out.push(Dispatch { op: self.op, fused, entry, groups, cond: self.cond, args, binds });
+    }
+    /// A Sinkhorn left for the next dispatch, which cannot run it: back into its hc_pre_norm's
+    /// last workgroup.
+    fn sinkhorn_back(&mut self) {
+        if let Some(job) = self.sinkhorn_later.take() {
+            self.out[job.at].groups += 1;
+        }
     }
     /// The routed experts' slot outputs added in slot order into `out`.
     fn push_moe_sum(&mut self, out: Buf, out_dim: u32, n_used: u32) {
@@ -693,8 +731,25 @@ impl Builder<'_> {
         if q8k {
             self.q8k_of = Some((out, self.cond));
         }
-        // The norm's slices, then the Sinkhorn's workgroup.
-        self.push("hc_pre_norm", slices + 1, args, binds);
+        // The norm's slices, then the Sinkhorn's workgroup, which only the HC post at the
+        // sublayer's end reads: where the next dispatch can run it beside its own work
+        // (SINKHORN_HOSTS), it is left to that one.
+        let job = SinkhornJob {
+            at: self.out.len(),
+            cond: self.cond,
+            args: [n_hc, iters, eps_hc.to_bits(), nc],
+            binds: vec![
+                (13, if parts.is_some() { Res::Scratch(Scratch::HcMixParts) } else { Res::Buf(mix) }),
+                (14, scale),
+                (15, base),
+                (16, Res::Buf(split)),
+            ],
+        };
+        self.push("hc_pre_norm", slices, args, binds);
+        match self.sinkhorn_late && !self.rows && self.program.rows() == 1 {
+            true => self.sinkhorn_later = Some(job),
+            false => self.out[job.at].groups += 1,
+        }
         Ok(true)
     }
 
@@ -1535,6 +1590,8 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         ss_of: None,
         hc_mix_chunks: std::env::var("DS4_WGPU_HC_MIX").map_or(true, |v| v != "rows"),
         mix_parts: None,
+        sinkhorn_late: std::env::var("DS4_WGPU_SINKHORN").map_or(true, |v| v != "norm"),
+        sinkhorn_later: None,
         q8_quant: std::env::var("DS4_WGPU_Q8_QUANT").map_or(true, |v| v != "apart"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
@@ -1554,6 +1611,7 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         b.q8_written(&step.op.writes());
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
     }
+    b.sinkhorn_back();
     if let Some((out, ..)) = b.moe_sum_later {
         return Err(format!("the routed experts' sum into buffer {} was left to an HC post that never came", out.0));
     }
@@ -1809,6 +1867,14 @@ mod tests {
             let (d, mix) = (&fused.dispatches[i], &fused.dispatches[i - 1]);
             assert_eq!(mix.entry, "mat_vec_f16_chunks_norm");
             assert_eq!((d.args[13], mix.groups), (32, 24 * 32 / 8));
+            // Its Sinkhorn runs in one more workgroup of the next dispatch, which ends before the
+            // split's reader (the HC post) starts.
+            let host = &fused.dispatches[i + 1];
+            assert_eq!((d.groups, host.args[20], host.args[21]), (16, host.groups, 4), "{}", host.entry);
+            let post = (i + 2..fused.dispatches.len()).find(|&k| fused.dispatches[k].entry.starts_with("hc_post"));
+            let bind = |d: &Dispatch, b: u32| d.binds.iter().find(|(k, _)| *k == b).map(|(_, r)| *r);
+            assert_eq!(bind(host, 16), bind(d, 13));
+            assert!(post.is_some_and(|k| fused.dispatches[k].binds.iter().any(|(_, r)| Some(*r) == bind(d, 13))));
             let bind = |d: &Dispatch, b: u32| d.binds.iter().find(|(k, _)| *k == b).map(|(_, r)| *r);
             assert_eq!(bind(d, 10), Some(Res::Scratch(Scratch::HcMixParts)));
             assert_eq!(bind(mix, 4), Some(Res::Scratch(Scratch::HcMixParts)));
