@@ -21,13 +21,8 @@ fn lane_sum_w(v: f32, lid: u32, width: u32) -> f32 {
 }
 
 fn lane_max(v: f32, lid: u32) -> f32 {
-    return lane_max_w(v, lid, 32u);
-}
-
-// lane_max over groups of `width` lanes (a power of two, at most 32; uniform).
-fn lane_max_w(v: f32, lid: u32, width: u32) -> f32 {
     var s = v;
-    for (var off = width / 2u; off > 0u; off = off / 2u) {
+    for (var off = 16u; off > 0u; off = off / 2u) {
         s = max(s, subgroupShuffleXor(s, off));
     }
     return s;

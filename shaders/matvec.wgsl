@@ -81,34 +81,13 @@ fn q8_load(second: bool, wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
     return k;
 }
 
-// The Q8_0 input that mat_vec_q8_0_quant's workgroup made itself (x_in_wg), or XQ4: quants as
-// vectors of 4 words from vector 0, scales by block.
-var<workgroup> xq_wg: array<u32, 2048>;
-var<workgroup> xd_wg: array<f32, 256>;
-var<private> x_in_wg: bool;
-
-fn xq4(i: u32) -> vec4<u32> {
-    if (x_in_wg) {
-        return vec4<u32>(xq_wg[4u * i], xq_wg[4u * i + 1u], xq_wg[4u * i + 2u], xq_wg[4u * i + 3u]);
-    }
-    return XQ4[i];
-}
-
-// The scale of word i of XQ4 (arg 4 the scales' first word).
-fn xdx(i: u32) -> f32 {
-    if (x_in_wg) {
-        return xd_wg[i - arg(4u)];
-    }
-    return bitcast<f32>(XQ4[i / 4u][i % 4u]);
-}
-
 // The lane's partial sum of one chunk, from +0: (f16(d_w) * d_x) * isum for block b < nb.
 fn q8_chunk(k: Q8Block, xq: u32, xd: u32, b: u32, nb: u32) -> f32 {
     var acc = zero();
     if (b < nb) {
-        let x0 = xq4(xq + 2u * b);
-        let x1 = xq4(xq + 2u * b + 1u);
-        let dx = xdx(xd + b);
+        let x0 = XQ4[xq + 2u * b];
+        let x1 = XQ4[xq + 2u * b + 1u];
+        let dx = bitcast<f32>(XQ4[(xd + b) / 4u][(xd + b) % 4u]);
         let isum = dot4i8(k.w0.x, x0.x) + dot4i8(k.w0.y, x0.y) + dot4i8(k.w0.z, x0.z) + dot4i8(k.w0.w, x0.w)
             + dot4i8(k.w1.x, x1.x) + dot4i8(k.w1.y, x1.y) + dot4i8(k.w1.z, x1.z) + dot4i8(k.w1.w, x1.w);
         acc = fadd(acc, fmul(fmul(h2f(k.s & 0xffffu), dx), f32(isum)));
@@ -157,84 +136,6 @@ fn mat_vec_q8_0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (!guard_at(P.pos + wid.z)) {
         return;
     }
-    q8_rows(wid, nwg, lid);
-}
-
-// The second input of mat_vec_q8_0_quant's SwiGLU (the up projection; X is the gate).
-@group(0) @binding(11) var<storage, read> X2: array<f32>;
-
-// The weight of mat_vec_q8_0_quant's norm.
-@group(0) @binding(12) var<storage, read> NW: array<f32>;
-// That norm's scale (row_scale of X).
-var<private> norm_scale: f32;
-
-// Value i of mat_vec_q8_0_quant's input by its kind (arg 7): 0 X; 1 the SwiGLU of X and X2 at
-// clamp arg 8 (swiglu's values); 2 the RmsNorm of X with weight NW (rms_norm's values).
-fn quant_input(i: u32) -> f32 {
-    if (arg(7u) == 1u) {
-        return swiglu_clamped(X[i], X2[i], argf(8u));
-    }
-    if (arg(7u) == 2u) {
-        return fmul(fmul(X[i], norm_scale), NW[i]);
-    }
-    return X[i];
-}
-
-// mat_vec_q8_0 (one row, ungrouped, at most 8192 terms) whose workgroups each quantize the
-// input themselves, instead of a quantize_q8_0 or swiglu dispatch before it: 8 lanes per
-// 32-block, with quantize_q8_0's values (d = amax / 127, q = round-half-even(x * (1/d)); the
-// largest magnitude is exact in any order), into workgroup memory. args: mat_vec_q8_0's, then
-// the input's kind (quant_input), the SwiGLU's clamp or the norm's eps, and the workgroups. A
-// norm also writes its output (NORM_OUT), each workgroup its share.
-@compute @workgroup_size(256)
-fn mat_vec_q8_0_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                      @builtin(local_invocation_index) lid: u32) {
-    if (!guard()) {
-        return;
-    }
-    let n = arg(0u);
-    if (arg(7u) == 2u) {
-        norm_scale = row_scale(0u, n, argf(8u), lid);
-        let per = (n + arg(9u) - 1u) / arg(9u);
-        let begin = min(group_index(wid, nwg) * per, n);
-        for (var i = begin + lid; i < min(begin + per, n); i = i + 256u) {
-            NORM_OUT[i] = quant_input(i);
-        }
-    }
-    // Rounds of 32 blocks, 8 lanes per block (lane l holds values 4 (l % 8) .. + 3 of block
-    // l / 8 of its group's 4): the lanes' largest magnitudes by an 8-lane butterfly.
-    let nb = n / 32u;
-    let lane = lid % 32u;
-    for (var b0 = 0u; b0 < nb; b0 = b0 + 32u) {
-        let b = b0 + (lid / 32u) * 4u + lane / 8u;
-        let live = b < nb;
-        let i = min(b, nb - 1u) * 32u + (lane % 8u) * 4u;
-        let v = vec4<f32>(quant_input(i), quant_input(i + 1u), quant_input(i + 2u), quant_input(i + 3u));
-        let amax = lane_max_w(max(max(abs(v.x), abs(v.y)), max(abs(v.z), abs(v.w))), lid, 8u);
-        let d = fdiv(amax, 127.0);
-        var id = 0.0;
-        if (d != 0.0) {
-            id = fdiv(1.0, d);
-        }
-        var word = 0u;
-        for (var j = 0u; j < 4u; j = j + 1u) {
-            let q = clamp(i32(round(fmul(v[j], id))), -128, 127);
-            word = word | ((u32(q) & 255u) << (8u * j));
-        }
-        if (live) {
-            xq_wg[b * 8u + lane % 8u] = word;
-            if (lane % 8u == 0u) {
-                xd_wg[b] = d;
-            }
-        }
-    }
-    workgroupBarrier();
-    x_in_wg = true;
-    q8_rows(wid, nwg, lid);
-}
-
-// mat_vec_q8_0's rows. Call in uniform control flow.
-fn q8_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) {
     if (arg(6u) > 1u) {
         q8_short_rows(wid, nwg, lid, arg(6u));
         return;
@@ -334,7 +235,7 @@ fn q8_short_rows(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, per: u32) {
 @compute @workgroup_size(256)
 fn mat_vec_q8_0_pair(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) lid: u32) {
-    if (!guard() || sinkhorn_host(wid, nwg, lid)) {
+    if (!guard()) {
         return;
     }
     let in_dim = arg(0u);
@@ -734,7 +635,7 @@ fn mat_vec_split(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, is_f16: bool, xs: f32
 @compute @workgroup_size(256)
 fn mat_vec_f16_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) lid: u32) {
-    if (!guard() || sinkhorn_host(wid, nwg, lid)) {
+    if (!guard()) {
         return;
     }
     mat_vec_split(wid, nwg, lid, true, 0.0, false);
@@ -827,44 +728,4 @@ fn mat_vec_f16_chunks_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     if (k < rows * nc && lid % 32u == 0u) {
         OUT[k] = s;
     }
-}
-
-// An HC split's Sinkhorn in one more workgroup of the dispatch right after its hc_pre_norm
-// (mat_vec_q8_0_pair, mat_vec_f16_split): only the HC post at the sublayer's end reads the split,
-// so it runs beside this dispatch's rows instead of after hc_pre_norm's norm. arg 20: that
-// workgroup + 1 (0: none); 21..24: n_hc, iters, eps, the mix's chunks per row (0: HMIX holds the
-// mix). The split as hc_pre_norm's last workgroup stores it (hc_split_store).
-@group(0) @binding(13) var<storage, read> HMIX: array<f32>;
-@group(0) @binding(14) var<storage, read> HSCALE: array<f32>;
-@group(0) @binding(15) var<storage, read> HBASE: array<f32>;
-@group(0) @binding(16) var<storage, read_write> HSPLIT: array<f32>;
-
-fn sk_mix(i: u32) -> f32 {
-    let nc = arg(24u);
-    if (nc == 0u) {
-        return HMIX[i];
-    }
-    var t = zero();
-    for (var c = 0u; c < nc; c = c + 1u) {
-        t = fadd(t, HMIX[i * nc + c]);
-    }
-    return t;
-}
-fn sk_scale(i: u32) -> f32 {
-    return HSCALE[i];
-}
-fn sk_base(i: u32) -> f32 {
-    return HBASE[i];
-}
-fn sk_store(i: u32, v: f32) {
-    HSPLIT[i] = v;
-}
-
-// Whether this workgroup is the Sinkhorn's (and ran it). Call in uniform control flow.
-fn sinkhorn_host(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> bool {
-    if (arg(20u) == 0u || group_index(wid, nwg) != arg(20u) - 1u) {
-        return false;
-    }
-    hc_split_store(lid, arg(21u), arg(22u), argf(23u));
-    return true;
 }

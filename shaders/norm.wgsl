@@ -84,9 +84,7 @@ fn sk_store(i: u32, v: f32) {
 // HcSplit, HcWeightedSum and the RmsNorm (with weight) of the weighted sum in one dispatch: the
 // HC pre-mix's tail, as kernels/fused.cu's hc_pre does it. The weighted sum needs only the pre
 // gates, which each workgroup makes itself (n_hc invocations); the Sinkhorn runs once, in the
-// last workgroup, which stores the whole split (SPLIT) for the HcPost (or, where the plan leaves
-// that workgroup out, in one more workgroup of the dispatch after, matvec.wgsl's
-// `sinkhorn_host`). Workgroups 0 .. slices
+// last workgroup, which stores the whole split (SPLIT) for the HcPost. Workgroups 0 .. slices
 // are rms_norm's (args 0..9 are rms_norm's, without RoPE), each reading the weighted sum
 // wherever rms_norm reads its row (every value computed by the same operations, so the same
 // bits) and storing its slice of it (CUR). args 10..13: n_hc (at most 8), iters, eps of the HC,

@@ -1,7 +1,6 @@
 // The HC split's Sinkhorn, shared by hc.wgsl (hc_split, hc_split_weighted_sum) and norm.wgsl
-// (hc_pre_norm) and matvec.wgsl (the dispatch after hc_pre_norm, which may run its Sinkhorn);
-// backends/wgpu prepends it to them. Each of them defines where the inputs are, sk_mix(i),
-// sk_scale(i), sk_base(i), and where hc_split_store puts the split, sk_store(i, v).
+// (hc_pre_norm); backends/wgpu prepends it to both. Each of them defines where the inputs are,
+// sk_mix(i), sk_scale(i), sk_base(i), and where hc_split_store puts the split, sk_store(i, v).
 
 // The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n. Two
 // buffers of 64, used in turn (`cm_at`: the one the last `share` wrote).

@@ -139,18 +139,17 @@ pub fn shader_source(file: &str, build: ShaderBuild) -> Option<String> {
         "norm" | "matvec" => include_str!("../../shaders/row_scale.wgsl"),
         _ => "",
     };
-    // The HC split's Sinkhorn, for the HC ops, the norm that fuses them (hc_pre_norm) and the
-    // matvecs that may run it after that norm.
+    // The HC split's Sinkhorn, for the HC ops and the norm that fuses them (hc_pre_norm).
     // With the exchange of `sinkhorn_lanes`: subgroup shuffles or workgroup memory, as the lanes.
     let sinkhorn = match (file, subgroups) {
-        ("hc" | "norm" | "matvec", true) => {
+        ("hc" | "norm", true) => {
             concat!(
                 include_str!("../../shaders/sinkhorn.wgsl"),
                 "\n",
                 include_str!("../../shaders/sinkhorn_subgroup.wgsl")
             )
         }
-        ("hc" | "norm" | "matvec", false) => {
+        ("hc" | "norm", false) => {
             concat!(
                 include_str!("../../shaders/sinkhorn.wgsl"),
                 "\n",

@@ -30,41 +30,6 @@ pub enum Scratch {
     HcMixParts,
 }
 
-/// At most this many workgroups of a Q8_0 matvec quantize its input each (about one wave on the
-/// H200's 132 SMs at 8 workgroups each): the LM head's 16160 would repeat it 15 times in a row.
-const Q8_QUANT_MAX_GROUPS: u32 = 1024;
-
-/// The entry points that can run an HC split's Sinkhorn in one more workgroup
-/// (matvec.wgsl's `sinkhorn_host`).
-const SINKHORN_HOSTS: [&str; 2] = ["mat_vec_q8_0_pair", "mat_vec_f16_split"];
-
-/// An HC split's Sinkhorn that hc_pre_norm (dispatch `at`) left to the next dispatch: its
-/// arguments (n_hc, iters, eps, the mix's chunks per row) and bindings (13..16: mix, scale, base,
-/// split), under predicate `cond`.
-struct SinkhornJob {
-    at: usize,
-    cond: [u32; 3],
-    args: [u32; 4],
-    binds: Binds,
-}
-
-/// How `mat_vec_q8_0_quant` computes the input it quantizes from its X.
-#[derive(Clone, Copy)]
-enum QuantInput {
-    Plain,
-    /// The SwiGLU of X (the gate) and `up`.
-    SwiGlu {
-        up: Buf,
-        clamp: f32,
-    },
-    /// The RmsNorm of X with `weight`, written to `out` too.
-    Norm {
-        weight: Res,
-        out: Buf,
-        eps: f32,
-    },
-}
-
 /// A dispatch's bindings: (binding number, what is bound).
 type Binds = Vec<(u32, Res)>;
 
@@ -139,8 +104,7 @@ pub fn shader_of(entry: &str) -> Option<&'static str> {
         | "mat_vec_f16_split"
         | "mat_vec_f32_split"
         | "mat_vec_f16_split_norm"
-        | "mat_vec_f16_chunks_norm"
-        | "mat_vec_q8_0_quant" => "matvec",
+        | "mat_vec_f16_chunks_norm" => "matvec",
         "rms_norm" | "rms_norm_kv" | "kv_finish" | "hc_pre_norm" => "norm",
         "swiglu" | "add" => "elementwise",
         "rope_tail" | "rope_tail_q8" => "rope",
@@ -242,14 +206,6 @@ struct Builder<'a> {
     /// The HC mixes that an hc_pre_norm reads at one chunk per lane group
     /// (`mat_vec_f16_chunks_norm`), else a row per workgroup (`DS4_WGPU_HC_MIX=rows`).
     hc_mix_chunks: bool,
-    /// Q8_0 matvecs whose input nothing else reads quantize it in each workgroup
-    /// (`mat_vec_q8_0_quant`), the SwiGLU before them too; `DS4_WGPU_Q8_QUANT=apart` keeps the
-    /// quantize_q8_0 and swiglu dispatches.
-    q8_quant: bool,
-    /// hc_pre_norm leaves its Sinkhorn to the next dispatch where that one can run it
-    /// (`DS4_WGPU_SINKHORN=norm` keeps it in hc_pre_norm).
-    sinkhorn_late: bool,
-    sinkhorn_later: Option<SinkhornJob>,
     /// The HcSplit op whose hc_pre_norm adds the mix's chunk sums, and the chunks per row.
     mix_parts: Option<(usize, u32)>,
     /// Q8_0 rows of one or two chunks 4 or 2 to a lane group (`q8_short_rows`):
@@ -271,29 +227,9 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn push(&mut self, entry: &'static str, mut groups: u32, mut args: Vec<u32>, mut binds: Vec<(u32, Res)>) {
+    fn push(&mut self, entry: &'static str, groups: u32, args: Vec<u32>, binds: Vec<(u32, Res)>) {
         let fused = self.absorbed.clone();
-        if SINKHORN_HOSTS.contains(&entry) {
-            // The Sinkhorn left by the hc_pre_norm just before, in one more workgroup.
-            match self.sinkhorn_later.take_if(|job| job.cond == self.cond) {
-                Some(job) => {
-                    args.resize(20, 0);
-                    args.extend([groups + 1, job.args[0], job.args[1], job.args[2], job.args[3]]);
-                    binds.extend(job.binds);
-                    groups += 1;
-                }
-                None => binds.extend([(13, Res::Dummy), (14, Res::Dummy), (15, Res::Dummy), (16, Res::DummyOut)]),
-            }
-        }
-        self.sinkhorn_back();
         self.out.push(Dispatch { op: self.op, fused, entry, groups, cond: self.cond, args, binds });
-    }
-    /// A Sinkhorn left for the next dispatch, which cannot run it: back into its hc_pre_norm's
-    /// last workgroup.
-    fn sinkhorn_back(&mut self) {
-        if let Some(job) = self.sinkhorn_later.take() {
-            self.out[job.at].groups += 1;
-        }
     }
     /// The routed experts' slot outputs added in slot order into `out`.
     fn push_moe_sum(&mut self, out: Buf, out_dim: u32, n_used: u32) {
@@ -731,25 +667,8 @@ impl Builder<'_> {
         if q8k {
             self.q8k_of = Some((out, self.cond));
         }
-        // The norm's slices, then the Sinkhorn's workgroup, which only the HC post at the
-        // sublayer's end reads: where the next dispatch can run it beside its own work
-        // (SINKHORN_HOSTS), it is left to that one.
-        let job = SinkhornJob {
-            at: self.out.len(),
-            cond: self.cond,
-            args: [n_hc, iters, eps_hc.to_bits(), nc],
-            binds: vec![
-                (13, if parts.is_some() { Res::Scratch(Scratch::HcMixParts) } else { Res::Buf(mix) }),
-                (14, scale),
-                (15, base),
-                (16, Res::Buf(split)),
-            ],
-        };
-        self.push("hc_pre_norm", slices, args, binds);
-        match self.sinkhorn_late && !self.rows && self.program.rows() == 1 {
-            true => self.sinkhorn_later = Some(job),
-            false => self.out[job.at].groups += 1,
-        }
+        // The norm's slices, then the Sinkhorn's workgroup.
+        self.push("hc_pre_norm", slices + 1, args, binds);
         Ok(true)
     }
 
@@ -879,99 +798,6 @@ impl Builder<'_> {
         Ok(out)
     }
 
-    /// Whether the Q8_0 matvec of `w` at op `at` may quantize its input `x` in each of its
-    /// workgroups (`mat_vec_q8_0_quant`): one row range, one input of at most 8192 values that no
-    /// later op reads (so no other reader needs its quantization), or with `f32_readers` none that
-    /// reads it quantized.
-    fn q8_quant_fits(&self, w: WeightId, x: Buf, at: usize, f32_readers: bool) -> bool {
-        let t = self.program.weight(w);
-        let in_dim = t.dim(0);
-        let one_range = t.dim(1) * t.ty.row_bytes(in_dim as usize) as u64 <= self.max_binding.saturating_sub(16);
-        let readers_ok = match f32_readers {
-            true => !self.read_quantized_before_rewritten(x, at),
-            false => !self.read_before_rewritten(x, at),
-        };
-        self.fuse
-            && self.q8_quant
-            && !self.rows
-            && self.program.rows() == 1
-            && t.ty == GgmlType::Q8_0
-            && in_dim <= 8192
-            && in_dim.is_multiple_of(32)
-            && self.len(x) as u64 == in_dim
-            && one_range
-            && readers_ok
-            && self.q8_groups(t.dim(1) as u32, in_dim as u32) <= Q8_QUANT_MAX_GROUPS
-    }
-
-    /// Rows per 32 lanes for mat_vec_q8_0 with rows of `nb` blocks: short rows share a lane
-    /// group (q8_short_rows).
-    fn q8_per(&self, nb: u32) -> u32 {
-        match (self.q8_short_rows, nb) {
-            (true, 0..=32) => 4,
-            (true, 33..=64) => 2,
-            _ => 1,
-        }
-    }
-    /// mat_vec_q8_0's workgroups for `rows` rows of `in_dim`.
-    fn q8_groups(&self, rows: u32, in_dim: u32) -> u32 {
-        groups(rows as usize, 8 * self.q8_per(in_dim / 32) as usize)
-    }
-
-    /// Whether an op after op `at` reads `buf` as a Q8_0 matvec or the routed experts do (its
-    /// quantization) before an op that runs every token rewrites it.
-    fn read_quantized_before_rewritten(&self, buf: Buf, at: usize) -> bool {
-        for st in &self.program.steps()[at + 1..] {
-            let quantized = match st.op {
-                Op::MatVec { w, .. } | Op::MatVecGrouped { w, .. } => self.program.weight(w).ty == GgmlType::Q8_0,
-                Op::MoeExperts { .. } => true,
-                _ => false,
-            };
-            if quantized && st.op.reads().contains(&buf) {
-                return true;
-            }
-            if st.cond.is_none() && st.op.writes().contains(&buf) {
-                return false;
-            }
-        }
-        false
-    }
-
-    /// `mat_vec_q8_0_quant`: the Q8_0 matvec of `w` (ungrouped, one range) into `out`, whose
-    /// workgroups quantize its input themselves, computed from `x` as `input` says.
-    fn push_q8_0_quant(&mut self, w: WeightId, x: Buf, input: QuantInput, out: Buf) -> Result<(), String> {
-        let t = self.program.weight(w);
-        let (in_dim, rows) = (t.dim(0) as u32, t.dim(1) as u32);
-        self.layout(w, Layout::Rows(vec![(0, rows)]))?;
-        let wgs = self.q8_groups(rows, in_dim);
-        let (nb, per) = (in_dim / 32, self.q8_per(in_dim / 32));
-        let (kind, param, extra) = match input {
-            QuantInput::Plain => (0, 0, vec![]),
-            QuantInput::SwiGlu { up, clamp } => (1, clamp.to_bits(), vec![(11, Res::Buf(up))]),
-            QuantInput::Norm { weight, out: norm_out, eps } => {
-                (2, eps.to_bits(), vec![(12, weight), (8, Res::Buf(norm_out))])
-            }
-        };
-        let args = vec![in_dim, rows, rows, 0, in_dim / 4, rows * nb * 8, per, kind, param, wgs];
-        let mut binds = vec![
-            (2, Res::Weight(w, 0)),
-            (3, Res::Buf(x)),
-            (4, Res::Buf(out)),
-            (5, Res::DummyOut),
-            (6, Res::Weight(w, 0)),
-            (7, Res::Buf(out)),
-            (8, Res::DummyOut),
-            (11, Res::Dummy),
-            (12, Res::Dummy),
-        ];
-        for (b, r) in extra {
-            binds.retain(|(k, _)| *k != b);
-            binds.push((b, r));
-        }
-        self.push("mat_vec_q8_0_quant", wgs, args, binds);
-        Ok(())
-    }
-
     fn mat_vec(&mut self, w: WeightId, x: Buf, out: Buf, groups_n: u32) -> Result<(), String> {
         let t = self.program.weight(w);
         let (in_dim, rows) = (t.dim(0), t.dim(1));
@@ -986,11 +812,6 @@ impl Builder<'_> {
                 // Matvecs of one input (q_a and kv, the shared expert's gate and up) quantize it
                 // once, if nothing wrote it since and the quantization ran whenever this op runs
                 // (a norm or SwiGLU may have written it with its output).
-                let alone = groups_n == 1 && self.partner(x, GgmlType::Q8_0, in_dim).is_none();
-                if alone && !self.q8_fresh(x) && self.q8_quant_fits(w, x, self.op, false) {
-                    self.push_q8_0_quant(w, x, QuantInput::Plain, out)?;
-                    return Ok(());
-                }
                 let q8 = self.q8_scratch(x);
                 if !self.q8_fresh(x) {
                     let n = self.len(x) as u64;
@@ -1031,7 +852,12 @@ impl Builder<'_> {
             let mut args = vec![in_dim as u32, rows, rows_per_group, row0];
             let mut binds = vec![(2, Res::Weight(w, k as u32)), (3, Res::Buf(x)), (4, Res::Buf(out))];
             let nb = in_dim as u32 / 32;
-            let per = self.q8_per(nb);
+            // Rows per 32 lanes for mat_vec_q8_0: short rows share a lane group (q8_short_rows).
+            let per = match (self.q8_short_rows, nb) {
+                (true, 0..=32) => 4,
+                (true, 33..=64) => 2,
+                _ => 1,
+            };
             if entry == "mat_vec_q8_0" {
                 args.extend([n / 4, rows * nb * 8, per]);
                 binds.push((5, Res::Scratch(Scratch::Q8(x))));
@@ -1107,17 +933,6 @@ impl Builder<'_> {
                 }
                 if self.fuse && rows == 1 && weight.is_none() && self.try_norm_mat_vec(x, out, n, eps)? {
                     return Ok(());
-                }
-                // The Q8_0 matvec of the output right after (q_b of the query's latent), when no
-                // later op reads the output quantized: that matvec's workgroups normalize and
-                // quantize it, and write the output for later readers.
-                if let (true, 1, Some(_)) = (self.fuse && x != out, rows, weight) {
-                    if let Some((j, &Op::MatVec { w, x: mx, out: mo })) = self.next_op() {
-                        if mx == out && ![x, out].contains(&mo) && self.q8_quant_fits(w, out, j, true) {
-                            self.absorb(j);
-                            return self.push_q8_0_quant(w, x, QuantInput::Norm { weight: wv, out, eps }, mo);
-                        }
-                    }
                 }
                 // Long rows are written by several workgroups, each summing the whole row
                 // (the same bits in each); in place, one workgroup must read before it writes.
@@ -1489,14 +1304,6 @@ impl Builder<'_> {
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);
-                // The Q8_0 matvec of the output right after (the shared expert's down), when
-                // nothing else reads it: that matvec's workgroups compute and quantize it.
-                if let Some((j, &Op::MatVec { w, x, out: mo })) = self.next_op() {
-                    if x == out && ![gate, up, out].contains(&mo) && self.q8_quant_fits(w, out, j, false) {
-                        self.absorb(j);
-                        return self.push_q8_0_quant(w, gate, QuantInput::SwiGlu { up, clamp }, mo);
-                    }
-                }
                 // Read by Q8_0 matvecs (the shared expert's down): SwiGLU writes the quantization.
                 let q8 = self.q8_read_later(out);
                 let xq = if q8 { self.q8_scratch(out) } else { Res::DummyOut };
@@ -1590,9 +1397,6 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         ss_of: None,
         hc_mix_chunks: std::env::var("DS4_WGPU_HC_MIX").map_or(true, |v| v != "rows"),
         mix_parts: None,
-        sinkhorn_late: std::env::var("DS4_WGPU_SINKHORN").map_or(true, |v| v != "norm"),
-        sinkhorn_later: None,
-        q8_quant: std::env::var("DS4_WGPU_Q8_QUANT").map_or(true, |v| v != "apart"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
@@ -1611,7 +1415,6 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         b.q8_written(&step.op.writes());
         b.op(step).map_err(|e| format!("op #{i} ({}): {e}", step.op.name()))?;
     }
-    b.sinkhorn_back();
     if let Some((out, ..)) = b.moe_sum_later {
         return Err(format!("the routed experts' sum into buffer {} was left to an HC post that never came", out.0));
     }
@@ -1775,28 +1578,7 @@ mod tests {
                             in_place += (d.entry != "quantize_q8_0") as usize;
                             held.push((b, d.cond));
                         }
-                        if d.entry == "mat_vec_q8_0_quant" {
-                            // It quantizes its input itself: X (bound at 3), or the SwiGLU of
-                            // the gate at 3 and the up at 11 that its matvec reads.
-                            let x = match (&steps[d.op].op, d.fused.as_slice()) {
-                                (&Op::MatVec { x, .. }, []) => x,
-                                (&Op::SwiGlu { gate, up, out, .. }, &[k]) => {
-                                    assert!(matches!(steps[k].op, Op::MatVec { x, .. } if x == out), "{name}: op {k}");
-                                    assert_eq!(bind(d, 11), Some(Res::Buf(up)), "{name}: op {}", d.op);
-                                    gate
-                                }
-                                (&Op::RmsNorm { x, out, .. }, &[k]) => {
-                                    assert!(matches!(steps[k].op, Op::MatVec { x, .. } if x == out), "{name}: op {k}");
-                                    assert_eq!(bind(d, 8), Some(Res::Buf(out)), "{name}: op {}", d.op);
-                                    x
-                                }
-                                (op, fused) => panic!("{name}: {op:?} and {fused:?} in mat_vec_q8_0_quant"),
-                            };
-                            assert_eq!(bind(d, 3), Some(Res::Buf(x)), "{name}: op {}", d.op);
-                            assert_eq!(bind(d, 5), Some(Res::DummyOut), "{name}: op {}", d.op);
-                            in_place += 1;
-                            checked += 1;
-                        } else if d.entry.starts_with("mat_vec_q8_0") {
+                        if d.entry.starts_with("mat_vec_q8_0") {
                             let x = match steps[d.op].op {
                                 Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
                                 ref op => panic!("{name}: {op:?} in a Q8_0 matvec"),
@@ -1867,23 +1649,10 @@ mod tests {
             let (d, mix) = (&fused.dispatches[i], &fused.dispatches[i - 1]);
             assert_eq!(mix.entry, "mat_vec_f16_chunks_norm");
             assert_eq!((d.args[13], mix.groups), (32, 24 * 32 / 8));
-            // Its Sinkhorn runs in one more workgroup of the next dispatch, which ends before the
-            // split's reader (the HC post) starts.
-            let host = &fused.dispatches[i + 1];
-            assert_eq!((d.groups, host.args[20], host.args[21]), (16, host.groups, 4), "{}", host.entry);
-            let post = (i + 2..fused.dispatches.len()).find(|&k| fused.dispatches[k].entry.starts_with("hc_post"));
-            let bind = |d: &Dispatch, b: u32| d.binds.iter().find(|(k, _)| *k == b).map(|(_, r)| *r);
-            assert_eq!(bind(host, 16), bind(d, 13));
-            assert!(post.is_some_and(|k| fused.dispatches[k].binds.iter().any(|(_, r)| Some(*r) == bind(d, 13))));
             let bind = |d: &Dispatch, b: u32| d.binds.iter().find(|(k, _)| *k == b).map(|(_, r)| *r);
             assert_eq!(bind(d, 10), Some(Res::Scratch(Scratch::HcMixParts)));
             assert_eq!(bind(mix, 4), Some(Res::Scratch(Scratch::HcMixParts)));
         }
-        // The attention output's wo_b and the shared expert's down quantize their inputs in
-        // each workgroup (the latter computes its SwiGLU too): no quantize or swiglu dispatch.
-        // So does q_b, normalizing the query's latent too (the LM head, 16160 workgroups, does not).
-        assert_eq!((by["mat_vec_q8_0_quant"], by.get("quantize_q8_0"), by.get("swiglu")), (12, None, None));
-        assert_eq!(by["rms_norm"], 4);
         // Only the experts' mid vectors are quantized to Q8_K on their own.
         assert_eq!(by["quantize_q8_k"], 4);
         // The attention output's inverse RoPE and Q8_0 are the attention's own.
@@ -1897,6 +1666,6 @@ mod tests {
         assert_eq!((by["moe_down_q2_k_pairs"], by.get("moe_down")), (4, None));
         // The routed experts' slot sums inside the HC post that adds the shared expert.
         assert_eq!((by.get("moe_sum"), by["hc_post_add_moe"], by.get("hc_post_add")), (None, 4, None));
-        assert!(fused.dispatches.len() <= 111, "{} dispatches", fused.dispatches.len());
+        assert!(fused.dispatches.len() <= 123, "{} dispatches", fused.dispatches.len());
     }
 }
