@@ -39,8 +39,10 @@ fn row_x(i: u32) -> f32 {
     return X[i];
 }
 
-// hc_pre_norm's pre gates, made by each of its workgroups.
+// hc_pre_norm's pre gates, made by each of its workgroups; the first four in each invocation's
+// registers.
 var<workgroup> pre_gates: array<f32, 8>;
+var<private> gates4: vec4<f32>;
 
 // Value d of the weighted sum of the n_hc (arg 10, at most 8) streams of n (arg 0) values in X,
 // as hc_weighted_sum computes it: stream h times pre[h], h ascending, from +0. The loop's fixed
@@ -48,6 +50,15 @@ var<workgroup> pre_gates: array<f32, 8>;
 fn stream_sum(d: u32) -> f32 {
     let n = arg(0u);
     let n_hc = arg(10u);
+    if (n_hc == 4u && arg(14u) != 0u) {
+        // Four streams (Flash): the four loads unconditional, so that the compiler can issue a
+        // whole chunk's loads at once; the same products and adds in the same order.
+        let x0 = X[d];
+        let x1 = X[n + d];
+        let x2 = X[2u * n + d];
+        let x3 = X[3u * n + d];
+        return fadd(fadd(fadd(fadd(zero(), fmul(x0, gates4.x)), fmul(x1, gates4.y)), fmul(x2, gates4.z)), fmul(x3, gates4.w));
+    }
     var acc = zero();
     for (var h = 0u; h < 8u; h = h + 1u) {
         if (h < n_hc) {
@@ -87,8 +98,9 @@ fn sk_store(i: u32, v: f32) {
 // last workgroup, which stores the whole split (SPLIT) for the HcPost. Workgroups 0 .. slices
 // are rms_norm's (args 0..9 are rms_norm's, without RoPE), each reading the weighted sum
 // wherever rms_norm reads its row (every value computed by the same operations, so the same
-// bits) and storing its slice of it (CUR). args 10..13: n_hc (at most 8), iters, eps of the HC,
-// and the mix's chunks per row (0: MIX holds the mix itself).
+// bits) and storing its slice of it (CUR). args 10..14: n_hc (at most 8), iters, eps of the HC,
+// the mix's chunks per row (0: MIX holds the mix itself), and whether four streams take
+// stream_sum's unconditional loads.
 // The Sinkhorn's workgroup runs it on 32 lanes where n_hc * n_hc <= 32, else on all 256.
 @compute @workgroup_size(256)
 fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -107,6 +119,7 @@ fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         pre_gates[lid] = hc_pre_gate(lid, eps);
     }
     workgroupBarrier();
+    gates4 = vec4<f32>(pre_gates[0], pre_gates[1], pre_gates[2], pre_gates[3]);
     from_streams = true;
     let begin = g * arg(4u);
     let end = min(begin + arg(4u), arg(0u));

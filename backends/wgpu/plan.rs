@@ -206,6 +206,9 @@ struct Builder<'a> {
     /// The HC mixes that an hc_pre_norm reads at one chunk per lane group
     /// (`mat_vec_f16_chunks_norm`), else a row per workgroup (`DS4_WGPU_HC_MIX=rows`).
     hc_mix_chunks: bool,
+    /// hc_pre_norm's weighted sum of four streams with its loads unconditional
+    /// (`DS4_WGPU_HC_STREAMS=loop` keeps the loop over up to 8 streams).
+    hc_streams_unrolled: bool,
     /// The HcSplit op whose hc_pre_norm adds the mix's chunk sums, and the chunks per row.
     mix_parts: Option<(usize, u32)>,
     /// Q8_0 rows of one or two chunks 4 or 2 to a lane group (`q8_short_rows`):
@@ -660,6 +663,7 @@ impl Builder<'_> {
             iters,
             eps_hc.to_bits(),
             nc,
+            self.hc_streams_unrolled as u32,
         ];
         if q8 {
             self.q8_of.push((out, self.cond));
@@ -1397,6 +1401,7 @@ pub fn plan(program: &Program, max_binding: u64, rows: bool, fuse: bool, moe_dow
         ss_of: None,
         hc_mix_chunks: std::env::var("DS4_WGPU_HC_MIX").map_or(true, |v| v != "rows"),
         mix_parts: None,
+        hc_streams_unrolled: std::env::var("DS4_WGPU_HC_STREAMS").map_or(true, |v| v != "loop"),
     };
     // RoPE tables in program order, whatever the fusion: both plans index the same tables.
     for step in program.steps() {
