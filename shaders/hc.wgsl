@@ -50,10 +50,6 @@ fn sk_scale(i: u32) -> f32 {
 fn sk_base(i: u32) -> f32 {
     return V1[i];
 }
-// hc_split_store's output: the split (OUT), as hc_split stores it.
-fn sk_store(i: u32, v: f32) {
-    OUT[i] = v;
-}
 
 // args: n_hc (at most 8), iters, eps. split (OUT) = `sinkhorn`'s [pre | post | comb].
 @compute @workgroup_size(64)

@@ -668,8 +668,16 @@ fn mat_vec_f16_split_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     if (!guard()) {
         return;
     }
+    let scale = hc_mix_norm(group_index(wid, nwg), arg(1u), lid);
+    mat_vec_split(wid, nwg, lid, true, scale, true);
+}
+
+// The HC mix's norm (no weight) of X for workgroup g of `groups`: the row's scale (row_scale, or
+// with arg 6 != 0 from the chunk sums in SS, added in chunk order as row_scale adds its own), and
+// the workgroup's share of the norm's output in NORM_OUT. args 0 and 4: n, eps. Call in uniform
+// control flow.
+fn hc_mix_norm(g: u32, groups: u32, lid: u32) -> f32 {
     let n = arg(0u);
-    let rows = arg(1u);
     var scale: f32;
     if (arg(6u) != 0u) {
         var ss = zero();
@@ -680,13 +688,13 @@ fn mat_vec_f16_split_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     } else {
         scale = row_scale(0u, n, argf(4u), lid);
     }
-    let per = (n + rows - 1u) / rows;
-    let begin = min(group_index(wid, nwg) * per, n);
+    let per = (n + groups - 1u) / groups;
+    let begin = min(g * per, n);
     let end = min(begin + per, n);
     for (var i = begin + lid; i < end; i = i + 256u) {
         NORM_OUT[i] = fmul(X[i], scale);
     }
-    mat_vec_split(wid, nwg, lid, true, scale, true);
+    return scale;
 }
 
 // mat_vec_f16_split_norm at one 512-chunk per 32-lane group (kernels/fused.cu hc_pre's shape:
@@ -703,23 +711,8 @@ fn mat_vec_f16_chunks_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     }
     let n = arg(0u);
     let rows = arg(1u);
-    var scale: f32;
-    if (arg(6u) != 0u) {
-        var ss = zero();
-        for (var c = 0u; c < n / 512u; c = c + 1u) {
-            ss = fadd(ss, SS[c]);
-        }
-        scale = scale_of_sum(ss, n, argf(4u));
-    } else {
-        scale = row_scale(0u, n, argf(4u), lid);
-    }
     let g = group_index(wid, nwg);
-    let per = (n + arg(2u) - 1u) / arg(2u);
-    let begin = min(g * per, n);
-    let end = min(begin + per, n);
-    for (var i = begin + lid; i < end; i = i + 256u) {
-        NORM_OUT[i] = fmul(X[i], scale);
-    }
+    let scale = hc_mix_norm(g, arg(2u), lid);
     split_second = false;
     let nc = n / 512u;
     let k = g * 8u + lid / 32u;

@@ -88,9 +88,6 @@ fn sk_scale(i: u32) -> f32 {
 fn sk_base(i: u32) -> f32 {
     return HBASE[i];
 }
-fn sk_store(i: u32, v: f32) {
-    SPLIT[i] = v;
-}
 
 // HcSplit, HcWeightedSum and the RmsNorm (with weight) of the weighted sum in one dispatch: the
 // HC pre-mix's tail, as kernels/fused.cu's hc_pre does it. The weighted sum needs only the pre
@@ -111,8 +108,25 @@ fn hc_pre_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n_hc = arg(10u);
     let eps = argf(12u);
     let g = group_index(wid, nwg);
+    if (g == arg(5u) && n_hc * n_hc > 32u) {
+        sinkhorn(lid, n_hc, arg(11u), eps);
+        for (var j = lid; j < 2u * n_hc + n_hc * n_hc; j = j + 256u) {
+            SPLIT[j] = sp[j];
+        }
+        return;
+    }
     if (g == arg(5u)) {
-        hc_split_store(lid, n_hc, arg(11u), eps);
+        // As hc_split_weighted_sum_lanes: the gates, and the combine matrix on 32 lanes (no
+        // barrier where the adapter has subgroups). Same bits as `sinkhorn`.
+        if (lid < n_hc) {
+            SPLIT[lid] = hc_pre_gate(lid, eps);
+        } else if (lid < 2u * n_hc) {
+            SPLIT[lid] = hc_post_gate(lid);
+        }
+        let c = sinkhorn_comb(lid, n_hc, arg(11u), eps);
+        if (lid < n_hc * n_hc) {
+            SPLIT[2u * n_hc + lid] = c;
+        }
         return;
     }
     if (lid < n_hc) {

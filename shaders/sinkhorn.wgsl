@@ -1,6 +1,6 @@
 // The HC split's Sinkhorn, shared by hc.wgsl (hc_split, hc_split_weighted_sum) and norm.wgsl
-// (hc_pre_norm); backends/wgpu prepends it to both. Each of them defines where the inputs are,
-// sk_mix(i), sk_scale(i), sk_base(i), and where hc_split_store puts the split, sk_store(i, v).
+// (hc_pre_norm); backends/wgpu prepends it to both. Each of them defines where the inputs are:
+// sk_mix(i), sk_scale(i), sk_base(i).
 
 // The combine matrix while Sinkhorn runs: invocation k holds element k = src + dst*n. Two
 // buffers of 64, used in turn (`cm_at`: the one the last `share` wrote).
@@ -127,26 +127,4 @@ fn sinkhorn_lanes(lid: u32, n: u32, iters: u32, eps: f32) -> f32 {
 // Post gate j: 2 * sigmoid(mix * scale + base), as `sinkhorn` makes it.
 fn hc_post_gate(j: u32) -> f32 {
     return fdiv(2.0, fadd(1.0, ds4_exp(-fadd(fmul(sk_mix(j), sk_scale(1u)), sk_base(j)))));
-}
-
-// The whole split [pre | post | comb] of `n` streams, stored through sk_store: the gates and the
-// combine matrix on 32 lanes (`sinkhorn_comb`) where n * n <= 32, else `sinkhorn` on 256
-// invocations. Workgroups of 256; every invocation calls it, in uniform control flow.
-fn hc_split_store(lid: u32, n: u32, iters: u32, eps: f32) {
-    if (n * n > 32u) {
-        sinkhorn(lid, n, iters, eps);
-        for (var j = lid; j < 2u * n + n * n; j = j + 256u) {
-            sk_store(j, sp[j]);
-        }
-        return;
-    }
-    if (lid < n) {
-        sk_store(lid, hc_pre_gate(lid, eps));
-    } else if (lid < 2u * n) {
-        sk_store(lid, hc_post_gate(lid));
-    }
-    let c = sinkhorn_comb(lid, n, iters, eps);
-    if (lid < n * n) {
-        sk_store(2u * n + lid, c);
-    }
 }

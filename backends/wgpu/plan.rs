@@ -527,17 +527,14 @@ impl Builder<'_> {
         // Where an hc_pre_norm reads the mix next and nothing after it does, one chunk per lane
         // group, the chunk sums left for hc_pre_norm to add.
         let nc = n / 512;
-        let split = self.ahead(j).next().and_then(|k| match self.program.steps()[k].op {
-            Op::HcSplit { mix: m, split, n_hc, .. } if m == mix && (1..=8).contains(&n_hc) => Some((k, split, n_hc)),
-            _ => None,
-        });
-        let parts = self.hc_mix_chunks
-            && n.is_multiple_of(512)
-            && split.is_some_and(|(k, split, n_hc)| {
+        let split = self.ahead(j).next().filter(|_| self.hc_mix_chunks && n.is_multiple_of(512));
+        let chunked = split.filter(|&k| match self.program.steps()[k].op {
+            Op::HcSplit { mix: m, split, n_hc, .. } if m == mix && (1..=8).contains(&n_hc) => {
                 self.hc_pre_norm_ops(k, mix, split, n_hc).is_some() && !self.read_before_rewritten(mix, k)
-            });
-        if parts {
-            let (k, _, _) = split.unwrap();
+            }
+            _ => false,
+        });
+        if let Some(k) = chunked {
             let wgs = (rows as u32 * nc).div_ceil(8);
             binds[2] = (4, Res::Scratch(Scratch::HcMixParts));
             self.need(Scratch::HcMixParts, rows * nc as u64 * 4);
@@ -855,8 +852,8 @@ impl Builder<'_> {
         for (k, &(row0, rows)) in ranges.iter().enumerate() {
             let mut args = vec![in_dim as u32, rows, rows_per_group, row0];
             let mut binds = vec![(2, Res::Weight(w, k as u32)), (3, Res::Buf(x)), (4, Res::Buf(out))];
-            let nb = in_dim as u32 / 32;
             // Rows per 32 lanes for mat_vec_q8_0: short rows share a lane group (q8_short_rows).
+            let nb = in_dim as u32 / 32;
             let per = match (self.q8_short_rows, nb) {
                 (true, 0..=32) => 4,
                 (true, 33..=64) => 2,
