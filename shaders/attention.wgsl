@@ -104,17 +104,47 @@ fn q_part(q0: u32, i: u32, hd: u32) -> vec4<f32> {
     return vec4<f32>(zero());
 }
 
-// The four rows' dot sums acc plus their 4 terms from dim i on: the four loads first.
-fn score4(acc: vec4<f32>, q: vec4<f32>, off: vec4<u32>, i: u32, hd: u32) -> vec4<f32> {
+// One part (dims i .. i + 3) of four rows' k, loaded unconditionally (dims clamped inside the
+// head; quad_dot drops what lies past head_dim).
+struct Quad {
+    k0: vec4<f32>,
+    k1: vec4<f32>,
+    k2: vec4<f32>,
+    k3: vec4<f32>,
+}
+
+fn load_quad(off: vec4<u32>, i: u32, hd: u32) -> Quad {
+    let g = min(i, hd - 4u) / 4u;
+    return Quad(kv4(off.x, g), kv4(off.y, g), kv4(off.z, g), kv4(off.w, g));
+}
+
+// The four rows' dot sums acc plus their 4 terms from dim i on (none past head_dim).
+fn quad_dot(acc: vec4<f32>, q: vec4<f32>, k: Quad, i: u32, hd: u32) -> vec4<f32> {
     if (i >= hd) {
         return acc;
     }
-    let g = i / 4u;
-    let k0 = kv4(off.x, g);
-    let k1 = kv4(off.y, g);
-    let k2 = kv4(off.z, g);
-    let k3 = kv4(off.w, g);
-    return vec4<f32>(dot4_acc(acc.x, q, k0), dot4_acc(acc.y, q, k1), dot4_acc(acc.z, q, k2), dot4_acc(acc.w, q, k3));
+    return vec4<f32>(dot4_acc(acc.x, q, k.k0), dot4_acc(acc.y, q, k.k1), dot4_acc(acc.z, q, k.k2), dot4_acc(acc.w, q, k.k3));
+}
+
+// A round of the scores' loads: this lane's 4 parts of its group's 4 rows.
+struct Round {
+    a: Quad,
+    b: Quad,
+    c: Quad,
+    d: Quad,
+}
+
+fn round_offs(rs: Rows, rb: u32, lid: u32, n_rows: u32) -> vec4<u32> {
+    let r0 = rb + lid / 32u;
+    let last = n_rows - 1u;
+    return vec4<u32>(row_off(rs, min(r0, last)), row_off(rs, min(r0 + 8u, last)), row_off(rs, min(r0 + 16u, last)),
+                     row_off(rs, min(r0 + 24u, last)));
+}
+
+fn load_round(rs: Rows, rb: u32, lid: u32, n_rows: u32, i0: u32, hd: u32) -> Round {
+    let off = round_offs(rs, rb, lid, n_rows);
+    return Round(load_quad(off, i0, hd), load_quad(off, i0 + 128u, hd), load_quad(off, i0 + 256u, hd),
+                 load_quad(off, i0 + 384u, hd));
 }
 
 // p plus rows r0 + j .. r0 + j + 7 (those below nr) of a chunk, weighted, for dims 4g .. 4g + 3:
@@ -203,16 +233,18 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         let qb = q_part(q0, i0 + 128u, hd);
         let qc = q_part(q0, i0 + 256u, hd);
         let qd = q_part(q0, i0 + 384u, hd);
+        var cur = load_round(rs, 0u, lid, n_rows, i0, hd);
         for (var rb = 0u; rb < n_rows; rb = rb + 32u) {
             let r0 = rb + lid / 32u;
-            let last = n_rows - 1u;
-            let off = vec4<u32>(row_off(rs, min(r0, last)), row_off(rs, min(r0 + 8u, last)),
-                                row_off(rs, min(r0 + 16u, last)), row_off(rs, min(r0 + 24u, last)));
+            // The next round's loads (rows past the last: the last again, unused) before this
+            // round's sums, so that a round's L2 latency hides behind the one before.
+            let nxt = load_round(rs, rb + 32u, lid, n_rows, i0, hd);
             var acc = vec4<f32>(zero());
-            acc = score4(acc, qa, off, i0, hd);
-            acc = score4(acc, qb, off, i0 + 128u, hd);
-            acc = score4(acc, qc, off, i0 + 256u, hd);
-            acc = score4(acc, qd, off, i0 + 384u, hd);
+            acc = quad_dot(acc, qa, cur.a, i0, hd);
+            acc = quad_dot(acc, qb, cur.b, i0 + 128u, hd);
+            acc = quad_dot(acc, qc, cur.c, i0 + 256u, hd);
+            acc = quad_dot(acc, qd, cur.d, i0 + 384u, hd);
+            cur = nxt;
             var total = vec4<f32>(lane_sum(acc.x, lid), zero(), zero(), zero());
             if (rb + 8u < n_rows) {
                 total.y = lane_sum(acc.y, lid);

@@ -61,38 +61,30 @@ struct Q8Block {
 @group(0) @binding(6) var<storage, read> W4B: array<vec4<u32>>;
 @group(0) @binding(7) var<storage, read_write> OUT2: array<f32>;
 
-// Vector i of the first weight (W4), or of the second (W4B, mat_vec_q8_0_pair only).
-fn wvec(second: bool, i: u32) -> vec4<u32> {
-    if (second) {
-        return W4B[i];
-    }
-    return W4[i];
-}
-
-// Block b of the row whose quants start at vector wq and scales at half hs; zeros past nb.
+// Block b of the row whose quants start at vector wq and scales at half hs. Past nb the row's
+// last block is read instead (q8_chunk drops its term), so that the loads are unconditional and
+// the compiler can issue a lane's 4 blocks at once.
 fn q8_load(second: bool, wq: u32, hs: u32, b: u32, nb: u32) -> Q8Block {
-    var k = Q8Block(vec4<u32>(0u), vec4<u32>(0u), 0u);
-    if (b < nb) {
-        k.w0 = wvec(second, wq + 2u * b);
-        k.w1 = wvec(second, wq + 2u * b + 1u);
-        let h = hs + b;
-        k.s = wvec(second, h / 8u)[(h / 2u) % 4u] >> ((h % 2u) * 16u);
+    let bb = min(b, nb - 1u);
+    let h = hs + bb;
+    let sh = (h % 2u) * 16u;
+    if (second) {
+        return Q8Block(W4B[wq + 2u * bb], W4B[wq + 2u * bb + 1u], W4B[h / 8u][(h / 2u) % 4u] >> sh);
     }
-    return k;
+    return Q8Block(W4[wq + 2u * bb], W4[wq + 2u * bb + 1u], W4[h / 8u][(h / 2u) % 4u] >> sh);
 }
 
-// The lane's partial sum of one chunk, from +0: (f16(d_w) * d_x) * isum for block b < nb.
+// The lane's partial sum of one chunk, from +0: (f16(d_w) * d_x) * isum for block b < nb, +0
+// past nb (whose loads read block nb - 1, unconditional as q8_load's).
 fn q8_chunk(k: Q8Block, xq: u32, xd: u32, b: u32, nb: u32) -> f32 {
-    var acc = zero();
-    if (b < nb) {
-        let x0 = XQ4[xq + 2u * b];
-        let x1 = XQ4[xq + 2u * b + 1u];
-        let dx = bitcast<f32>(XQ4[(xd + b) / 4u][(xd + b) % 4u]);
-        let isum = dot4i8(k.w0.x, x0.x) + dot4i8(k.w0.y, x0.y) + dot4i8(k.w0.z, x0.z) + dot4i8(k.w0.w, x0.w)
-            + dot4i8(k.w1.x, x1.x) + dot4i8(k.w1.y, x1.y) + dot4i8(k.w1.z, x1.z) + dot4i8(k.w1.w, x1.w);
-        acc = fadd(acc, fmul(fmul(h2f(k.s & 0xffffu), dx), f32(isum)));
-    }
-    return acc;
+    let bb = min(b, nb - 1u);
+    let x0 = XQ4[xq + 2u * bb];
+    let x1 = XQ4[xq + 2u * bb + 1u];
+    let dx = bitcast<f32>(XQ4[(xd + bb) / 4u][(xd + bb) % 4u]);
+    let isum = dot4i8(k.w0.x, x0.x) + dot4i8(k.w0.y, x0.y) + dot4i8(k.w0.z, x0.z) + dot4i8(k.w0.w, x0.w)
+        + dot4i8(k.w1.x, x1.x) + dot4i8(k.w1.y, x1.y) + dot4i8(k.w1.z, x1.z) + dot4i8(k.w1.w, x1.w);
+    let t = fadd(zero(), fmul(fmul(h2f(k.s & 0xffffu), dx), f32(isum)));
+    return select(zero(), t, b < nb);
 }
 
 // The dot product of Q8_0 row rr (of `second`'s matrix: quants from vector wq, f16 scales from
