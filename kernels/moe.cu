@@ -181,23 +181,79 @@ template <u32 A> __device__ __forceinline__ int4 load_quants16(const u8* p) {
     return make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
 }
 
-// IQ2_XXS sub-block (32 values) from its two words (4 grid indices; 4x7 sign bits and a 4-bit
-// scale) and its 32 activation bytes qa, qb. The 7 sign bits of a group and their parity bit
-// (the count of negatives is even) spread to one bit per byte; grid bytes are 8, 25 or 43, so the
-// negation (v ^ 0xff) + 1 of a byte never carries into the next. (Sign masks from a shared table
-// were slower: random 8-byte lookups conflict on the banks.)
-__device__ __forceinline__ u32 spread4(u32 x) { return ((x & 15) * 0x00204081u) & 0x01010101u; }
-__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u64* grid) {
+// The IQ2_XXS kernels decode a grid entry with two byte permutes: weight j's selector nibble is
+// its grid byte's code (0, 1, 2 for 8, 25, 43: the grid's only bytes) plus 4 when its sign is
+// set, and picks from the 8 bytes 8, 25, 43, 0, -8, -25, -43, 0. The codes of each entry come
+// from a 256-word table (code of byte j at bit 4j), the sign bits from a 128-word table of the
+// sign fields or by shifts.
+#define IQ2_PRMT_POS 0x002b1908u
+#define IQ2_PRMT_NEG 0x00d5e7f8u
+
+// PTX prmt: byte n of the result is byte c_n & 7 of b:a (a the low four), c_n the selector's
+// nibble n (bit 3 set would replicate that byte's sign; the nibbles here never set it). Unlike
+// __byte_perm it needs no mask of the selector. (scripts/emu/gen.py maps the asm to the emulator's.)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Sign field s (7 bits) and its parity bit (the count of negatives is even) at bits 4j + 2.
+__device__ __forceinline__ u32 iq2_sign_nibbles(u32 s) {
+    u32 x = s | (u32)(__popc(s) & 1) << 7;
+    x = (x | x << 12) & 0x000f000fu;
+    x = (x | x << 6) & 0x03030303u;
+    x = (x | x << 3) & 0x11111111u;
+    return x << 2;
+}
+
+// The two tables in shared memory, filled by the whole block (every thread must call this).
+__device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u32* signs) {
+    for (u32 i = threadIdx.x; i < 256; i += blockDim.x) {
+        const u64 g = grid[i];
+        u32 c = 0;
+#pragma unroll
+        for (u32 j = 0; j < 8; j++) {
+            const u32 v = (u32)(g >> (8 * j)) & 255;
+            c |= ((u32)(v > 8) + (u32)(v > 25)) << (4 * j);
+        }
+        codes[i] = c;
+    }
+    for (u32 i = threadIdx.x; i < 128; i += blockDim.x) signs[i] = iq2_sign_nibbles(i);
+    __syncthreads();
+}
+
+// Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, the bytes iq2_xxs_sub
+// dots: weights 0-3 in lo, 4-7 in hi.
+template <bool TABLE>
+__device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
+                                              u32* hi) {
+    const u32 s = (aux1 >> (7 * l)) & 127;
+    const u32 sel = codes[(aux0 >> (8 * l)) & 255] | (TABLE ? signs[s] : iq2_sign_nibbles(s));
+    *lo = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel);
+    *hi = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel >> 16);
+}
+
+// Whether the decode kernels' IQ2_XXS signs come from the 128-word table (1) or from shifts (0).
+// The table measured faster on the H200 (Flash 141.5 / 140.9 against 139.3 / 139.0 tok/s). To
+// measure: DS4_CUDA_DEFINES="MOE_IQ2_SIGN_TABLE=0".
+#ifndef MOE_IQ2_SIGN_TABLE
+#define MOE_IQ2_SIGN_TABLE 1
+#endif
+
+// An IQ2_XXS sub-block (32 values) from its two words (4 grid indices; 4x7 sign bits and a 4-bit
+// scale) and its 32 activation bytes qa, qb: each grid entry's signed bytes by iq2_xxs_entry
+// (table loads and two byte permutes in place of spreading the sign bits), dotted by dp4a. The
+// integer sum is exact in any order.
+__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u32* tab) {
     const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
     int sumi = 0;
 #pragma unroll
-    for (int l = 0; l < 4; l++) {
-        const u64 g = grid[(aux0 >> (8 * l)) & 255];
-        u32 signs = (aux1 >> (7 * l)) & 127;
-        signs |= (u32)(__popc(signs) & 1) << 7;
-        const u32 slo = spread4(signs), shi = spread4(signs >> 4);
-        sumi = __dp4a((int)(((u32)g ^ (slo * 0xffu)) + slo), q8[2 * l], sumi);
-        sumi = __dp4a((int)(((u32)(g >> 32) ^ (shi * 0xffu)) + shi), q8[2 * l + 1], sumi);
+    for (u32 l = 0; l < 4; l++) {
+        u32 lo, hi;
+        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0)>(aux0, aux1, l, tab, tab + 256, &lo, &hi);
+        sumi = __dp4a((int)lo, q8[2 * l], sumi);
+        sumi = __dp4a((int)hi, q8[2 * l + 1], sumi);
     }
     return sumi * (2 * (int)(aux1 >> 28) + 1);
 }
@@ -268,11 +324,11 @@ __device__ __forceinline__ ActPart load_act_part(const BlockQ8K* y, u32 p) {
 // Integer sums of one part: `isum` the scaled quant·q8 products, `summ` the scaled mins times the
 // q8 sums (Q2_K / Q4_K).
 template <u32 TY>
-__device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u64* grid, int* isum,
+__device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u32* tab, int* isum,
                                           int* summ) {
     const u32 wv[4] = {(u32)w.q.x, (u32)w.q.y, (u32)w.q.z, (u32)w.q.w};
     if (TY == 16) {
-        *isum = iq2_xxs_sub(wv[0], wv[1], a.q[0], a.q[1], grid) + iq2_xxs_sub(wv[2], wv[3], a.q[2], a.q[3], grid);
+        *isum = iq2_xxs_sub(wv[0], wv[1], a.q[0], a.q[1], tab) + iq2_xxs_sub(wv[2], wv[3], a.q[2], a.q[3], tab);
         *summ = 0;
     } else if (TY == 10) {
         const u32 h = p & 1;
@@ -316,7 +372,7 @@ __device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a,
 // y[g]; nb blocks each) into is[g*R+k][b], sm[g*R+k][b]. U passes of every row are loaded before
 // any is used.
 template <u32 TY, int G, int R, int U>
-__device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K* const* y, u32 nb, const u64* grid,
+__device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K* const* y, u32 nb, const u32* tab,
                                           int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     typedef Layout<TY> Lay;
     const u32 lane = threadIdx.x & 31, part = lane % Lay::L;
@@ -344,15 +400,15 @@ __device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K*
 #pragma unroll
                 for (int k = g * R; k < g * R + R; k++) {
                     int a = 0, m = 0;
-                    if (rows[k].qs && b < nb) part_sums<TY>(w[k][u], act, part, grid, &a, &m);
+                    if (rows[k].qs && b < nb) part_sums<TY>(w[k][u], act, part, tab, &a, &m);
 #pragma unroll
                     for (u32 o = 1; o < Lay::L; o <<= 1) {
                         a += __shfl_xor_sync(0xffffffffu, a, o);
-                        m += __shfl_xor_sync(0xffffffffu, m, o);
+                        if (TY != 16) m += __shfl_xor_sync(0xffffffffu, m, o);  // IQ2_XXS has no mins
                     }
                     if (part == 0 && b < nb) {
                         is[k][b] = a;
-                        sm[k][b] = m;
+                        if (TY != 16) sm[k][b] = m;
                     }
                 }
             }
@@ -400,18 +456,18 @@ __device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int*
     return total;
 }
 
-// The IQ2_XXS grid in shared memory, filled by the whole block (every thread must call this).
-__device__ __forceinline__ const u64* iq2_grid(const u64* grid, bool needed) {
-    __shared__ u64 grid_sh[256];
-    if (needed)
-        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) grid_sh[i] = grid[i];
-    __syncthreads();
-    return grid_sh;
+// The IQ2_XXS decode tables in shared memory (iq2_nibble_tables: the 256 grid entries' codes, then
+// the 128 sign fields' nibbles), filled by the whole block (every thread must call this).
+__device__ __forceinline__ const u32* iq2_tab(const u64* grid, bool needed) {
+    __shared__ u32 tab_sh[256 + 128];
+    if (needed) iq2_nibble_tables(grid, tab_sh, tab_sh + 256);
+    else __syncthreads();
+    return tab_sh;
 }
 
 // mid[slot][r] = silu(min(gate,c)) * clamp(up,±c) * weight[slot]; one warp per (slot, two rows).
 template <u32 TY, int U>
-__device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u64* grid, u32 wid,
+__device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u32* tab, u32 wid,
                                                  int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 per_slot = a.ff / MOE_ROWS_PER_WARP;
     const u32 slot = wid / per_slot, r0 = (wid % per_slot) * MOE_ROWS_PER_WARP, nb = a.in_dim / 256;
@@ -427,7 +483,7 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u
 #pragma unroll
     for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) first[k] = row_first_scales<TY>(rows[k], nb);
     const BlockQ8K* ys[1] = {a.xq};
-    rows_sums<TY, 1, 2 * MOE_ROWS_PER_WARP, U>(rows, ys, nb, grid, is, sm);
+    rows_sums<TY, 1, 2 * MOE_ROWS_PER_WARP, U>(rows, ys, nb, tab, is, sm);
 #pragma unroll
     for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
         const float g = row_total<TY>(rows[2 * k].rest, a.xq, nb, is[2 * k], sm[2 * k], first[2 * k]);
@@ -490,14 +546,14 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const u64* grid = iq2_grid(a.grid, a.gate_ty == 16);
+    const u32* tab = iq2_tab(a.grid, a.gate_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
     // gate and up have one type (checked by the planner); IQ2_XXS goes to moe_gate_up_iq2_xxs.
     if (wid < a.n_used * (a.ff / MOE_ROWS_PER_WARP)) {
-        if (a.gate_ty == 16) moe_gate_up_rows<16, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
-        else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
-        else moe_gate_up_rows<12, 1>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+        if (a.gate_ty == 16) moe_gate_up_rows<16, 1>(a, tab, wid, is_sh[warp], sm_sh[warp]);
+        else if (a.gate_ty == 10) moe_gate_up_rows<10, 1>(a, tab, wid, is_sh[warp], sm_sh[warp]);
+        else moe_gate_up_rows<12, 1>(a, tab, wid, is_sh[warp], sm_sh[warp]);
     }
     if (a.midq) moe_gate_up_mid_q8_k(a);
 }
@@ -508,26 +564,27 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, MoeGateUpArgs a) {
 #define MOE_GATE_UP_PASSES 1
 #endif
 
-// The same for IQ2_XXS alone (the Flash experts): without the k-quant paths it needs 80
-// registers (71 before the scales were loaded with the quants) instead of 96-112, so 3 blocks of 256 fit on an SM instead of 2; these loads are
-// latency-bound (ncu: long-scoreboard stalls, 23% of the warps active), so that pays: 32.6 ->
-// 26.2 us per launch on the H200.
+// The same for IQ2_XXS alone (the Flash experts): without the k-quant paths it needs 72
+// registers (80 with the sign-spreading decode before iq2_xxs_entry) instead of 96-112, so 3
+// blocks of 256 fit on an SM instead of 2; these loads are latency-bound (ncu: long-scoreboard
+// stalls, 23% of the warps active), so that pays: 32.6 -> 26.2 us per launch on the H200. A bound
+// of 4 blocks (64 registers, 60 bytes spilled) measured slower: Flash 137.1 against 141.5 tok/s.
 extern "C" __global__ void moe_gate_up_iq2_xxs(DS4_ARGS, MoeGateUpArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const u64* grid = iq2_grid(a.grid, true);
+    const u32* tab = iq2_tab(a.grid, true);
     const u32 warp = threadIdx.x >> 5;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
     if (wid < a.n_used * (a.ff / MOE_ROWS_PER_WARP))
-        moe_gate_up_rows<16, MOE_GATE_UP_PASSES>(a, grid, wid, is_sh[warp], sm_sh[warp]);
+        moe_gate_up_rows<16, MOE_GATE_UP_PASSES>(a, tab, wid, is_sh[warp], sm_sh[warp]);
     if (a.midq) moe_gate_up_mid_q8_k(a);
 }
 
 // out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per two
 // rows, two slots' rows loaded together.
 template <u32 TY>
-__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* grid, u32 r0,
+__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u32* tab, u32 r0,
                                               int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
     float acc[MOE_ROWS_PER_WARP];
@@ -548,7 +605,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u64* g
                     slot < a.n_used && r < a.out_dim ? expert_row(a.down, TY, e, (u64)r * nb) : no_row();
             }
         }
-        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, grid, is, sm);
+        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, tab, is, sm);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             if (s0 + g >= a.n_used) break;
@@ -570,13 +627,13 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const u64* grid = iq2_grid(a.grid, a.down_ty == 16);
+    const u32* tab = iq2_tab(a.grid, a.down_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
     if (r0 >= a.out_dim) return;
-    if (a.down_ty == 16) moe_down_rows<16>(a, grid, r0, is_sh[warp], sm_sh[warp]);
-    else if (a.down_ty == 10) moe_down_rows<10>(a, grid, r0, is_sh[warp], sm_sh[warp]);
-    else moe_down_rows<12>(a, grid, r0, is_sh[warp], sm_sh[warp]);
+    if (a.down_ty == 16) moe_down_rows<16>(a, tab, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_rows<10>(a, tab, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_rows<12>(a, tab, r0, is_sh[warp], sm_sh[warp]);
 }
 
 #if DS4_CHUNK_ROWS
@@ -715,14 +772,14 @@ __device__ __forceinline__ MoeGateUpArgs moe_gate_up_row_args(const MoeGateUpGro
 // Warp w of expert e: mid rows 2w, 2w + 1 of every pair that chose e, each computed by
 // moe_gate_up_rows as the decode kernel's warp (slot, rows 2w, 2w + 1) of the pair's row does.
 template <u32 TY, int U>
-__device__ __forceinline__ void moe_gate_up_pairs(const MoeGateUpGroupedArgs& a, const RowStrides& R, const u64* grid,
+__device__ __forceinline__ void moe_gate_up_pairs(const MoeGateUpGroupedArgs& a, const RowStrides& R, const u32* tab,
                                                   u32 e, u32 w, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32* pairs;
     const u32 n = moe_route_pairs(a.route, a.n_expert, e, &pairs);
     for (u32 i = 0; i < n; i++) {
         const u32 p = pairs[i];
         const MoeGateUpArgs b = moe_gate_up_row_args(a, R, p / a.n_used);
-        moe_gate_up_rows<TY, U>(b, grid, (p % a.n_used) * (a.ff / MOE_ROWS_PER_WARP) + w, is, sm);
+        moe_gate_up_rows<TY, U>(b, tab, (p % a.n_used) * (a.ff / MOE_ROWS_PER_WARP) + w, is, sm);
         __syncwarp();  // the next pair rewrites is and sm
     }
 }
@@ -736,13 +793,13 @@ extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a)
     if (a.route[e] == 0) return;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const u64* grid = iq2_grid(a.grid, a.gate_ty == 16);
+    const u32* tab = iq2_tab(a.grid, a.gate_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
     if (w >= a.ff / MOE_ROWS_PER_WARP) return;
-    if (a.gate_ty == 16) moe_gate_up_pairs<16, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
-    else if (a.gate_ty == 10) moe_gate_up_pairs<10, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
-    else moe_gate_up_pairs<12, 1>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    if (a.gate_ty == 16) moe_gate_up_pairs<16, 1>(a, R, tab, e, w, is_sh[warp], sm_sh[warp]);
+    else if (a.gate_ty == 10) moe_gate_up_pairs<10, 1>(a, R, tab, e, w, is_sh[warp], sm_sh[warp]);
+    else moe_gate_up_pairs<12, 1>(a, R, tab, e, w, is_sh[warp], sm_sh[warp]);
 }
 
 // Pairs that moe_gate_up_grouped_iq2_xxs decodes each weight sub-block once for, and the blocks
@@ -757,15 +814,13 @@ extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a)
 
 // An IQ2_XXS sub-block's 8 weight words with their signs applied, and its scale 2s + 1: the
 // weight half of iq2_xxs_sub, whose sum is sum_j dp4a(w[j], q8[j]) * scale for any activations.
-__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u64* grid, int* w) {
+__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32* tab, int* w) {
 #pragma unroll
-    for (int l = 0; l < 4; l++) {
-        const u64 g = grid[(aux0 >> (8 * l)) & 255];
-        u32 signs = (aux1 >> (7 * l)) & 127;
-        signs |= (u32)(__popc(signs) & 1) << 7;
-        const u32 slo = spread4(signs), shi = spread4(signs >> 4);
-        w[2 * l] = (int)(((u32)g ^ (slo * 0xffu)) + slo);
-        w[2 * l + 1] = (int)(((u32)(g >> 32) ^ (shi * 0xffu)) + shi);
+    for (u32 l = 0; l < 4; l++) {
+        u32 lo, hi;
+        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0)>(aux0, aux1, l, tab, tab + 256, &lo, &hi);
+        w[2 * l] = (int)lo;
+        w[2 * l + 1] = (int)hi;
     }
     return 2 * (int)(aux1 >> 28) + 1;
 }
@@ -787,7 +842,7 @@ __device__ __forceinline__ float iq2_xxs_row_total(const u8* rest, const BlockQ8
 // moe_gate_up_rows' integers (exact in any order); lane l keeps block l's, and each row's dot adds
 // them as row_total does (one 32-block chunk: the lane's term from +0, the butterfly, times 1/8).
 __device__ __forceinline__ void moe_gate_up_pairs_iq2_xxs(const MoeGateUpGroupedArgs& a, const RowStrides& R,
-                                                          const u64* grid, u32 e, u32 w) {
+                                                          const u32* tab, u32 e, u32 w) {
     constexpr int PB = MOE_PAIR_BATCH;
     typedef Layout<16> Lay;
     const u32 lane = threadIdx.x & 31, part = lane % Lay::L, nb = a.in_dim / 256, r0 = w * MOE_ROWS_PER_WARP;
@@ -843,7 +898,7 @@ __device__ __forceinline__ void moe_gate_up_pairs_iq2_xxs(const MoeGateUpGrouped
                 for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
                     int wd[8];
                     const int sc = iq2_xxs_sub_weights(h ? (u32)wq[k].z : (u32)wq[k].x,
-                                                       h ? (u32)wq[k].w : (u32)wq[k].y, grid, wd);
+                                                       h ? (u32)wq[k].w : (u32)wq[k].y, tab, wd);
 #pragma unroll
                     for (int q = 0; q < PB; q++) {
                         const int xs[8] = {x[q][0].x, x[q][0].y, x[q][0].z, x[q][0].w,
@@ -893,19 +948,19 @@ extern "C" __global__ void __launch_bounds__(256, MOE_PAIR_MIN_BLOCKS) moe_gate_
     if (a.route[e] == 0) return;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const u64* grid = iq2_grid(a.grid, true);
+    const u32* tab = iq2_tab(a.grid, true);
     const u32 warp = threadIdx.x >> 5;
     const u32 w = blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp;
     if (w >= a.ff / MOE_ROWS_PER_WARP) return;
-    if (a.in_dim <= 256 * DS4_BLOCK_CHUNK) moe_gate_up_pairs_iq2_xxs(a, R, grid, e, w);
-    else moe_gate_up_pairs<16, MOE_GATE_UP_PASSES>(a, R, grid, e, w, is_sh[warp], sm_sh[warp]);
+    if (a.in_dim <= 256 * DS4_BLOCK_CHUNK) moe_gate_up_pairs_iq2_xxs(a, R, tab, e, w);
+    else moe_gate_up_pairs<16, MOE_GATE_UP_PASSES>(a, R, tab, e, w, is_sh[warp], sm_sh[warp]);
 }
 
 // Expert e's down rows r0, r0 + 1 for every pair that chose it, into parts[slot] of the pair's
 // row: two pairs at a time, as moe_down_rows takes two slots (the second pair loads the same
 // weight rows again, from L1). Each row's dot is row_total's over the same integer block sums.
 template <u32 TY>
-__device__ __forceinline__ void moe_down_pairs(const MoeDownGroupedArgs& a, const RowStrides& R, const u64* grid, u32 e,
+__device__ __forceinline__ void moe_down_pairs(const MoeDownGroupedArgs& a, const RowStrides& R, const u32* tab, u32 e,
                                                u32 r0, int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
     const u32* pairs;
@@ -928,7 +983,7 @@ __device__ __forceinline__ void moe_down_pairs(const MoeDownGroupedArgs& a, cons
                     i + g < n && r < a.out_dim ? expert_row(a.down, TY, e, (u64)r * nb) : no_row();
             }
         }
-        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, grid, is, sm);
+        rows_sums<TY, 2, MOE_ROWS_PER_WARP, 1>(rows, ys, nb, tab, is, sm);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             if (i + g >= n) break;
@@ -951,13 +1006,13 @@ extern "C" __global__ void moe_down_grouped(DS4_ARGS, MoeDownGroupedArgs a) {
     if (a.route[e] == 0) return;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    const u64* grid = iq2_grid(a.grid, a.down_ty == 16);
+    const u32* tab = iq2_tab(a.grid, a.down_ty == 16);
     const u32 warp = threadIdx.x >> 5;
     const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
     if (r0 >= a.out_dim) return;
-    if (a.down_ty == 16) moe_down_pairs<16>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
-    else if (a.down_ty == 10) moe_down_pairs<10>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
-    else moe_down_pairs<12>(a, R, grid, e, r0, is_sh[warp], sm_sh[warp]);
+    if (a.down_ty == 16) moe_down_pairs<16>(a, R, tab, e, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_pairs<10>(a, R, tab, e, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_pairs<12>(a, R, tab, e, r0, is_sh[warp], sm_sh[warp]);
 }
 
 // out[r] = the row's slots' down rows added in slot order from +0, as moe_down_rows adds them.
@@ -1017,64 +1072,12 @@ __device__ __forceinline__ u32 next_leaf(u32 L, u32 nb, u32 end) {
     return L;
 }
 
-// The tensor-core gate/up decodes an IQ2_XXS grid entry with two byte permutes: weight j's
-// selector nibble is its grid byte's code (0, 1, 2 for 8, 25, 43: the grid's only bytes) plus 4
-// when its sign is set, and picks from the 8 bytes 8, 25, 43, 0, -8, -25, -43, 0 (the bytes
-// iq2_xxs_sub's (v ^ 0xff) + 1 makes). The codes of each entry come from a 256-word table (code of
-// byte j at bit 4j), the sign bits from a 128-word table of the sign fields or by shifts.
-#define IQ2_PRMT_POS 0x002b1908u
-#define IQ2_PRMT_NEG 0x00d5e7f8u
 // Which rows take their sign bits from the table (smem loads, which conflict on the banks) rather
 // than from shifts (ALU): 0 none, 1 the gate rows, 2 gate and up. To measure:
 // DS4_CUDA_DEFINES="MOE_MMA_SIGN_TABLE=2".
 #ifndef MOE_MMA_SIGN_TABLE
 #define MOE_MMA_SIGN_TABLE 1
 #endif
-
-// PTX prmt: byte n of the result is byte c_n & 7 of b:a (a the low four), c_n the selector's
-// nibble n (bit 3 set would replicate that byte's sign; the nibbles here never set it). Unlike
-// __byte_perm it needs no mask of the selector. (scripts/emu/gen.py maps the asm to the emulator's.)
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// Sign field s (7 bits) and its parity bit (the count of negatives is even) at bits 4j + 2.
-__device__ __forceinline__ u32 iq2_sign_nibbles(u32 s) {
-    u32 x = s | (u32)(__popc(s) & 1) << 7;
-    x = (x | x << 12) & 0x000f000fu;
-    x = (x | x << 6) & 0x03030303u;
-    x = (x | x << 3) & 0x11111111u;
-    return x << 2;
-}
-
-// The two tables in shared memory, filled by the whole block (every thread must call this).
-__device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u32* signs) {
-    for (u32 i = threadIdx.x; i < 256; i += blockDim.x) {
-        const u64 g = grid[i];
-        u32 c = 0;
-#pragma unroll
-        for (u32 j = 0; j < 8; j++) {
-            const u32 v = (u32)(g >> (8 * j)) & 255;
-            c |= ((u32)(v > 8) + (u32)(v > 25)) << (4 * j);
-        }
-        codes[i] = c;
-    }
-    for (u32 i = threadIdx.x; i < 128; i += blockDim.x) signs[i] = iq2_sign_nibbles(i);
-    __syncthreads();
-}
-
-// Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, the bytes iq2_xxs_sub
-// dots: weights 0-3 in lo, 4-7 in hi.
-template <bool TABLE>
-__device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
-                                              u32* hi) {
-    const u32 s = (aux1 >> (7 * l)) & 127;
-    const u32 sel = codes[(aux0 >> (8 * l)) & 255] | (TABLE ? signs[s] : iq2_sign_nibbles(s));
-    *lo = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel);
-    *hi = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel >> 16);
-}
 
 // Blocks of 256 per SM the registers of moe_gate_up_mma_iq2_xxs and moe_down_mma_q2_k must allow:
 // 3 fit both in 80 registers without spilling (down takes 96 by itself, 2 blocks); 4 spill. To

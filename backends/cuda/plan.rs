@@ -2325,8 +2325,8 @@ mod tests {
         assert!(fused.launches.len() < single.launches.len() * 2 / 3, "{} launches", fused.launches.len());
     }
 
-    /// kernels/moe.cu negates IQ2_XXS grid bytes by (v ^ 0xff) + 1 within a 32-bit word, which
-    /// carries into the next byte only for v = 0.
+    /// kernels/moe.cu decodes IQ2_XXS grid bytes as codes 0, 1, 2 for 8, 25, 43 (iq2_nibble_tables):
+    /// no other byte may occur.
     #[test]
     fn iq2_xxs_grid_bytes_are_8_25_or_43() {
         for g in crate::quant::IQ2XXS_GRID {

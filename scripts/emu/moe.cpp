@@ -376,27 +376,50 @@ template <int K> static int mma_check() {
 }
 
 #if !DS4_NATIVE_BLOCKS
-// The tensor-core gate/up's IQ2_XXS decode (iq2_xxs_entry: byte permutes, signs from the table or
-// by shifts) against iq2_xxs_sub_weights for every grid entry, sign field and entry position.
+// Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) as the format defines it, written here
+// from the definition rather than taken from the kernels: byte j of the grid entry that index
+// (aux0 >> 8l) & 255 names, negated when bit j of the entry's sign field (7 bits at 7l of aux1,
+// bit 7 their parity: the count of negatives is even) is set; weights 0-3 in lo, 4-7 in hi.
+static void iq2_reference_entry(const std::vector<u64>& grid, u32 aux0, u32 aux1, u32 l, u32* lo, u32* hi) {
+    const u64 g = grid[(aux0 >> (8 * l)) & 255];
+    u32 s = (aux1 >> (7 * l)) & 127;
+    s |= (u32)(__builtin_popcount(s) & 1) << 7;
+    u32 w[2] = {0, 0};
+    for (u32 j = 0; j < 8; j++) {
+        int v = (int)((g >> (8 * j)) & 255);
+        if ((s >> j) & 1) v = -v;
+        w[j / 4] |= (u32)(v & 255) << (8 * (j % 4));
+    }
+    *lo = w[0];
+    *hi = w[1];
+}
+
+// The IQ2_XXS decode of every kernel but the tile ones (iq2_xxs_entry: byte permutes, signs from
+// the table or by shifts; iq2_xxs_sub_weights over the tables iq2_tab holds) against the
+// format's definition, for every grid entry, sign field and entry position.
 static int iq2_decode_check(const std::vector<u64>& grid) {
     int bad = 0;
     emu_launch({1, 1, 1}, 256, [&] {
-        static u32 codes[256], signs[128];
+        static u32 codes[256], signs[128], tab[256 + 128];
         iq2_nibble_tables(grid.data(), codes, signs);
+        iq2_nibble_tables(grid.data(), tab, tab + 256);
         if (threadIdx.x != 0) return;
         for (u32 idx = 0; idx < 256; idx++)
             for (u32 s = 0; s < 128; s++)
                 for (u32 l = 0; l < 4; l++) {
                     const u32 aux0 = idx << (8 * l), aux1 = s << (7 * l);
-                    int want[8];
-                    iq2_xxs_sub_weights(aux0, aux1, grid.data(), want);
+                    u32 rlo, rhi;
+                    iq2_reference_entry(grid, aux0, aux1, l, &rlo, &rhi);
+                    int got[8];
+                    iq2_xxs_sub_weights(aux0, aux1, tab, got);
                     u32 lo, hi, tlo, thi;
                     iq2_xxs_entry<false>(aux0, aux1, l, codes, signs, &lo, &hi);
                     iq2_xxs_entry<true>(aux0, aux1, l, codes, signs, &tlo, &thi);
-                    bad += lo != (u32)want[2 * l] || hi != (u32)want[2 * l + 1] || tlo != lo || thi != hi;
+                    bad += lo != rlo || hi != rhi || tlo != lo || thi != hi;
+                    bad += (u32)got[2 * l] != rlo || (u32)got[2 * l + 1] != rhi;
                 }
     });
-    printf("IQ2_XXS byte-permute decode against iq2_xxs_sub_weights: %s\n", bad ? "DIFFER" : "same");
+    printf("IQ2_XXS byte-permute decode against the format's definition: %s\n", bad ? "DIFFER" : "same");
     // The tile kernels' decode (gut_entry: sign bits by a multiply, nibbles in moe2_weight order)
     // and their activations' permutation (moe2_permute) against the same weights.
     int bad2 = 0;
@@ -410,7 +433,7 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
                 for (u32 l = 0; l < 4; l++) {
                     const u32 aux0 = idx << (8 * l) | (rnd() & ~(255u << (8 * l))), aux1 = s << (7 * l);
                     int want[8];
-                    iq2_xxs_sub_weights(aux0 & (255u << (8 * l)), aux1, grid.data(), want);
+                    iq2_reference_entry(grid, aux0, aux1, l, (u32*)&want[2 * l], (u32*)&want[2 * l + 1]);
                     u32 lo, hi;
                     gut_entry(aux0, aux1, l, (8 * l + 26) & 31, copy, codes, MOE2_PRMT_LO, &lo, &hi);
                     // Dot with activation bytes 1..8 both ways.
@@ -426,7 +449,7 @@ static int iq2_decode_check(const std::vector<u64>& grid) {
                     bad2 += ref != got;
                 }
     });
-    printf("IQ2_XXS decode of the tile kernels against iq2_xxs_sub_weights: %s\n", bad2 ? "DIFFER" : "same");
+    printf("IQ2_XXS decode of the tile kernels against the format's definition: %s\n", bad2 ? "DIFFER" : "same");
     return bad + bad2;
 }
 #endif
