@@ -241,21 +241,30 @@ __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u
 #define MOE_IQ2_SIGN_TABLE 1
 #endif
 
-// An IQ2_XXS sub-block (32 values) from its two words (4 grid indices; 4x7 sign bits and a 4-bit
-// scale) and its 32 activation bytes qa, qb: each grid entry's signed bytes by iq2_xxs_entry
-// (table loads and two byte permutes in place of spreading the sign bits), dotted by dp4a. The
-// integer sum is exact in any order.
-__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u32* tab) {
-    const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-    int sumi = 0;
+// An IQ2_XXS sub-block's 8 weight words (4 grid indices in aux0; 4x7 sign bits and a 4-bit scale
+// in aux1) with their signs applied, by iq2_xxs_entry, and its scale 2s + 1: the sub-block's dot
+// with any activations is sum_j dp4a(w[j], q8[j]) * scale.
+__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32* tab, int* w) {
 #pragma unroll
     for (u32 l = 0; l < 4; l++) {
         u32 lo, hi;
         iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0)>(aux0, aux1, l, tab, tab + 256, &lo, &hi);
-        sumi = __dp4a((int)lo, q8[2 * l], sumi);
-        sumi = __dp4a((int)hi, q8[2 * l + 1], sumi);
+        w[2 * l] = (int)lo;
+        w[2 * l + 1] = (int)hi;
     }
-    return sumi * (2 * (int)(aux1 >> 28) + 1);
+    return 2 * (int)(aux1 >> 28) + 1;
+}
+
+// An IQ2_XXS sub-block (32 values) dotted with its 32 activation bytes qa, qb. The integer sum is
+// exact in any order.
+__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u32* tab) {
+    const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    int w[8];
+    const int scale = iq2_xxs_sub_weights(aux0, aux1, tab, w);
+    int sumi = 0;
+#pragma unroll
+    for (u32 j = 0; j < 8; j++) sumi = __dp4a(w[j], q8[j], sumi);
+    return sumi * scale;
 }
 
 // Byte i (0..11) of the Q4_K scales held in three words.
@@ -812,19 +821,6 @@ extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a)
 #define MOE_PAIR_MIN_BLOCKS 3
 #endif
 
-// An IQ2_XXS sub-block's 8 weight words with their signs applied, and its scale 2s + 1: the
-// weight half of iq2_xxs_sub, whose sum is sum_j dp4a(w[j], q8[j]) * scale for any activations.
-__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32* tab, int* w) {
-#pragma unroll
-    for (u32 l = 0; l < 4; l++) {
-        u32 lo, hi;
-        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0)>(aux0, aux1, l, tab, tab + 256, &lo, &hi);
-        w[2 * l] = (int)lo;
-        w[2 * l + 1] = (int)hi;
-    }
-    return 2 * (int)(aux1 >> 28) + 1;
-}
-
 // row_total for IQ2_XXS rows of at most 32 blocks, from lane l's block sum `is` (block l).
 __device__ __forceinline__ float iq2_xxs_row_total(const u8* rest, const BlockQ8K* y, u32 nb, int is) {
     const u32 lane = threadIdx.x & 31;
@@ -1136,8 +1132,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_gate_u
     ds4_wait_predecessor();
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
-    __shared__ u32 codes[256], signs[128];
-    iq2_nibble_tables(a.grid, codes, signs);
+    const u32* codes = iq2_tab(a.grid, true);
+    const u32* signs = codes + 256;
     const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 r0 = (blockIdx.x / a.n_expert * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_MMA_MID_ROWS;
     if (r0 >= a.ff) return;
