@@ -94,6 +94,53 @@ extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
 #endif
 }
 
+#if !DS4_CHUNK_ROWS
+// A decode compressor lane in one launch: its kv and score projections (mat_vec_f16_split's
+// rows, ticket and sums) and, in the block that adds the chunk sums, the window update
+// (compressor_update_row) on the rows that block has just stored.
+extern "C" __global__ void mat_vec_f16_split_comp(DS4_ARGS, MatVecF16SplitCompArgs a) {
+    DS4_GUARD_EARLY;
+    MatVecF16SplitArgs s;
+    s.w = a.w;
+    s.x = a.x;
+    s.partial = a.partial;
+    s.tickets = a.tickets;
+    s.out = a.out;
+    s.w2 = a.w2;
+    s.out2 = a.out2;
+    s.in_dim = a.in_dim;
+    s.rows = a.rows;
+    s.rows_per_group = a.rows_per_group;
+    s.n_chunks = a.n_chunks;
+    s.ticket = a.ticket;
+    s.rows2 = a.rows2;
+    if (!f16_split_rows(s)) return;
+    __syncthreads();
+    CompressorUpdateArgs c;
+    c.kv = a.out;
+    c.score = a.out2;
+    c.ape = a.ape;
+    c.state_kv = a.state_kv;
+    c.state_score = a.state_score;
+    c.pooled = a.pooled;
+    c.norm_w = a.norm_w;
+    c.row = a.row;
+    c.table = a.table;
+    c.cache = a.cache;
+    c.tickets = a.tickets;
+    c.emit_cond = a.emit_cond;
+    c.ape_f16 = a.ape_f16;
+    c.width = a.width;
+    c.ratio = a.ratio;
+    c.head_dim = a.head_dim;
+    c.n_rot = a.n_rot;
+    c.quant = a.quant;
+    c.eps = a.eps;
+    c.ticket = 0;
+    compressor_update_row(P, c);
+}
+#endif
+
 #if DS4_CHUNK_ROWS
 // compressor_update_chunk: the same chunk row loop with the rows in parallel (a block per chunk
 // row; only emit rows do work). A window's state rows come from the chunk's own kv / score rows or

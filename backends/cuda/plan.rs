@@ -255,6 +255,10 @@ struct Builder<'a> {
     /// The last hc_post's arguments and the launch count after it: an hc_pre right after it
     /// takes it in ([`Builder::try_hc_pre`]).
     hc_post_of: Option<(HcPostArgs, usize)>,
+    /// The last F16 split-K launch's arguments and the launch count after it: a decode
+    /// compressor update of its two outputs right after it runs in its last block
+    /// ([`Builder::try_compressor_update`]).
+    f16_split_of: Option<(MatVecF16SplitArgs, usize)>,
     /// Launches of earlier ops that the current op's launch took in (removed from the list).
     taken_back: usize,
     /// Whether a decode program's hc_pre runs the HC post before it (one launch fewer per
@@ -623,6 +627,7 @@ impl<'a> Builder<'a> {
                         rows2,
                     };
                     self.launch(blocks(all_rows * n_chunks, 8), 256, a);
+                    self.f16_split_of = Some((a, self.launches.len()));
                 } else {
                     let a = MatVecF16Args {
                         w: w(wt),
@@ -1182,7 +1187,54 @@ impl<'a> Builder<'a> {
             eps,
             ticket: self.tickets - 1,
         };
-        self.launch(1, 256, a);
+        // A decode lane's update runs in the last block of the kv + score projections before it.
+        match self.f16_split_of {
+            Some((s, at))
+                if at == self.launches.len()
+                    && s.out == b(kv)
+                    && s.out2 == b(score)
+                    && self.program.tokens().is_none()
+                    && self.launches.last().is_some_and(|l| l.cond == self.cond && l.block == 256) =>
+            {
+                let l = self.launches.pop().expect("the split-K launch");
+                self.group.extend(l.ops);
+                self.taken_back += 1;
+                let f = MatVecF16SplitCompArgs {
+                    w: s.w,
+                    x: s.x,
+                    partial: s.partial,
+                    tickets: s.tickets,
+                    out: s.out,
+                    w2: s.w2,
+                    out2: s.out2,
+                    ape: a.ape,
+                    state_kv: a.state_kv,
+                    state_score: a.state_score,
+                    pooled: a.pooled,
+                    norm_w: a.norm_w,
+                    row: a.row,
+                    table: a.table,
+                    cache: a.cache,
+                    emit_cond: a.emit_cond,
+                    in_dim: s.in_dim,
+                    rows: s.rows,
+                    rows_per_group: s.rows_per_group,
+                    n_chunks: s.n_chunks,
+                    ticket: s.ticket,
+                    rows2: s.rows2,
+                    ape_f16: a.ape_f16,
+                    width: a.width,
+                    ratio: a.ratio,
+                    head_dim: a.head_dim,
+                    n_rot: a.n_rot,
+                    quant: a.quant,
+                    eps: a.eps,
+                    _pad: 0,
+                };
+                self.launch(l.grid, 256, f);
+            }
+            _ => self.launch(1, 256, a),
+        }
         Ok(true)
     }
 
@@ -1677,6 +1729,7 @@ fn plan_with(
         q8k_of: None,
         ss_of: None,
         hc_post_of: None,
+        f16_split_of: None,
         taken_back: 0,
         hc_post_inside,
         tickets: 0,
@@ -2016,8 +2069,8 @@ mod tests {
                 }
                 last_group = Some(&l.ops);
                 // Predicated ops keep their predicate on every launch; a fused launch's ops share it,
-                // or it decides their predicate inside (compressor_update, under emit).
-                if l.kernel != "compressor_update" {
+                // or it decides their predicate inside (a compressor update, under emit).
+                if l.kernel != "compressor_update" && l.kernel != "mat_vec_f16_split_comp" {
                     for &k in &l.ops {
                         assert_eq!(l.cond, pack_cond(program.steps()[k].cond), "{} op {k}", l.kernel);
                     }
@@ -2283,7 +2336,13 @@ mod tests {
         let count = |p: &Plan, k: &str| p.launches.iter().filter(|l| l.kernel == k).count();
         let layers = 43;
         assert_eq!(count(&fused, "qkv_finish"), layers);
-        assert_eq!(count(&fused, "compressor_update"), count(&single, "compressor_store"));
+        // Each compressor lane's update runs in the last block of its kv + score projections.
+        assert_eq!(count(&fused, "mat_vec_f16_split_comp"), count(&single, "compressor_store"));
+        assert_eq!(count(&fused, "compressor_update"), 0);
+        for l in fused.launches.iter().filter(|l| l.kernel == "mat_vec_f16_split_comp") {
+            let names: Vec<&str> = l.ops.iter().map(|&k| program.steps()[k].op.name()).collect();
+            assert!(names.starts_with(&["mat_vec", "mat_vec", "compressor_store"]), "{names:?}");
+        }
         assert_eq!(count(&fused, "add"), 0);
         assert_eq!(count(&fused, "hc_pre"), 2 * layers);
         assert_eq!(count(&fused, "hc_split"), 0);
