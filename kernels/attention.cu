@@ -1529,12 +1529,103 @@ extern "C" __global__ void __launch_bounds__(ATTN_SCORE_THREADS) attention_score
     }
 }
 
+// The chunk's weighted sum of dim d per head, sequentially from +0.
+template <class A> __device__ __forceinline__ void attention_partial_sum(const A& a, const float (&val)[DS4_ATTN_ROW_CHUNK],
+                                                      const float* wsh, u32 nj, u32 c, u32 h0, u32 n_group, u32 d) {
+    const u32 head_dim = a.head_dim;
+    float p[ATTN_SPLIT_HEADS];
+#pragma unroll
+    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++) p[k] = 0.0f;
+#pragma unroll
+    for (u32 j = 0; j < DS4_ATTN_ROW_CHUNK; j++) {
+        if (j < nj) {
+#pragma unroll
+            for (u32 k4 = 0; k4 < ATTN_SPLIT_HEADS; k4 += 4) {
+                const float4 w = *(const float4*)(wsh + j * ATTN_SPLIT_HEADS + k4);
+                p[k4 + 0] += w.x * val[j];
+                p[k4 + 1] += w.y * val[j];
+                p[k4 + 2] += w.z * val[j];
+                p[k4 + 3] += w.w * val[j];
+            }
+        }
+    }
+#pragma unroll
+    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++)
+        if (k < n_group) a.parts[((u64)c * a.n_head + h0 + k) * head_dim + d] = p[k];
+}
+
+// attention_combine for the heads of group g and the dims of slice ds, by the last of the
+// group's chunk blocks of that slice: the chunks' sums in order, the denominator, the scale, the
+// inverse RoPE (plan.rs fuses only when the rotated dims lie in one slice) and the Q8_0 blocks of
+// the slice, each as attention_combine and attention_head_tail compute them.
+template <class A> __device__ __forceinline__ void attention_slice_tail(const StepParams* P, const A& a, const AttnRows& v,
+                                                     u32 g, u32 ds, u32 h0, u32 n_group) {
+    __shared__ bool last;
+    __shared__ float inv_sh[ATTN_SPLIT_HEADS];
+    __shared__ __align__(16) float o_sh[ATTN_SPLIT_HEADS * ATTN_SUM_THREADS];
+    const u32 n_dslices = (a.head_dim + ATTN_SUM_THREADS - 1) / ATTN_SUM_THREADS;
+    const u32 n_chunks = (v.n_rows + DS4_ATTN_ROW_CHUNK - 1) / DS4_ATTN_ROW_CHUNK;
+    u32* ticket = a.tickets + a.ticket + g * n_dslices + ds;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == n_chunks - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const u32 head_dim = a.head_dim, d0 = ds * ATTN_SUM_THREADS, d = d0 + threadIdx.x;
+    const u32 width = min((u32)ATTN_SUM_THREADS, head_dim - d0);
+    if (threadIdx.x < n_group) {
+        const float* sums = a.sums + (u64)ds * a.sums_slice;
+        const u32 h = h0 + threadIdx.x;
+        float denom = ds4_expf(a.sinks[h] - __ldcg(sums + h));
+#pragma unroll 8
+        for (u32 c = 0; c < n_chunks; c++) denom += __ldcg(sums + (u64)(1 + c) * a.n_head + h);
+        inv_sh[threadIdx.x] = 1.0f / denom;
+    }
+    float acc[ATTN_SPLIT_HEADS];
+#pragma unroll
+    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++) acc[k] = 0.0f;
+    if (d < head_dim)
+#pragma unroll 4
+        for (u32 c = 0; c < n_chunks; c++)
+#pragma unroll
+            for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++)
+                if (k < n_group) acc[k] += __ldcg(a.parts + ((u64)c * a.n_head + h0 + k) * head_dim + d);
+    __syncthreads();
+    if (d < head_dim)
+#pragma unroll
+        for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++) o_sh[k * ATTN_SUM_THREADS + threadIdx.x] = acc[k] * inv_sh[k];
+    if (a.rope && a.n_rot && head_dim - a.n_rot >= d0 && head_dim - a.n_rot < d0 + width) {
+        // The rotated dims [head_dim - n_rot, head_dim) of each head, all in this slice.
+        __syncthreads();
+        const u32 pairs = a.n_rot / 2, first = head_dim - a.n_rot - d0;
+        const float* trow = a.rope + (u64)P->pos * pairs * 2;
+        for (u32 t = threadIdx.x; t < n_group * pairs; t += blockDim.x)
+            rope_pair(o_sh + (t / pairs) * ATTN_SUM_THREADS + first, trow, t % pairs, true);
+    }
+    __syncthreads();
+    for (u32 k = 0; k < n_group; k++)
+        if (threadIdx.x < width) a.out[(u64)(h0 + k) * head_dim + d] = o_sh[k * ATTN_SUM_THREADS + threadIdx.x];
+    if (a.xq) {
+        const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nb = width / 32;
+        for (u32 b = warp; b < n_group * nb; b += blockDim.x >> 5) {
+            const u32 k = b / nb, i = b % nb;
+            quantize_q8_0_warp(o_sh[k * ATTN_SUM_THREADS + i * 32 + lane], a.xq, a.xd, (h0 + k) * (head_dim / 32) + d0 / 32 + i, lane);
+        }
+    }
+    if (threadIdx.x == 0) *ticket = 0;
+}
+
 // Grid: 64-row chunks x head groups x dim slices (slice fastest); ATTN_SUM_THREADS (>= 64, the
 // block size) dims per slice. Thread d owns dim d of the slice for all the group's heads, so each value of a row is
 // read by one thread of the block; the chunk's values are loaded into registers first, and
 // arrive while the weights are computed.
-extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial(DS4_ARGS, AttentionPartialArgs a) {
-    DS4_GUARD;
+//
+// With COMBINE (attention_partial_combine), attention_combine runs in this launch: every block
+// stores its chunk's weight sums (all dim slices compute the same weights) in a copy of `sums` of
+// its own slice, and the last block of each (head group, dim slice), by a ticket, adds the chunks
+// of its heads and dims in order and runs the tail on them (attention_slice_tail).
+template <bool COMBINE, class A> __device__ __forceinline__ void attention_partial_impl(const StepParams* P, const A& a) {
     __shared__ const float* rowp[DS4_ATTN_ROW_CHUNK];
     __shared__ __align__(16) float wsh[DS4_ATTN_ROW_CHUNK * ATTN_SPLIT_HEADS];  // [row][head]
     __shared__ float wmax[ATTN_SUM_THREADS / 32][ATTN_SPLIT_HEADS];
@@ -1591,35 +1682,29 @@ extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial
     }
     __syncthreads();
     // Slice 0: the chunk's weight sum per head, sequentially from +0 (and chunk 0: m per head).
-    if (ds == 0 && threadIdx.x < n_group) {
+    if ((COMBINE || ds == 0) && threadIdx.x < n_group) {
         const u32 k = threadIdx.x;
         float s = 0.0f;
 #pragma unroll 16
         for (u32 j = 0; j < nj; j++) s += wsh[j * ATTN_SPLIT_HEADS + k];
-        a.sums[(u64)(1 + c) * a.n_head + h0 + k] = s;
-        if (c == 0) a.sums[h0 + k] = m_sh[k];
+        float* sums = a.sums + (COMBINE ? (u64)ds * a.sums_slice : 0);
+        sums[(u64)(1 + c) * a.n_head + h0 + k] = s;
+        if (c == 0) sums[h0 + k] = m_sh[k];
     }
-    if (d >= head_dim) return;
-    // The chunk's weighted sum of dim d per head, sequentially from +0.
-    float p[ATTN_SPLIT_HEADS];
-#pragma unroll
-    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++) p[k] = 0.0f;
-#pragma unroll
-    for (u32 j = 0; j < DS4_ATTN_ROW_CHUNK; j++) {
-        if (j < nj) {
-#pragma unroll
-            for (u32 k4 = 0; k4 < ATTN_SPLIT_HEADS; k4 += 4) {
-                const float4 w = *(const float4*)(wsh + j * ATTN_SPLIT_HEADS + k4);
-                p[k4 + 0] += w.x * val[j];
-                p[k4 + 1] += w.y * val[j];
-                p[k4 + 2] += w.z * val[j];
-                p[k4 + 3] += w.w * val[j];
-            }
-        }
+    if (d < head_dim) {
+        attention_partial_sum(a, val, wsh, nj, c, h0, n_group, d);
     }
-#pragma unroll
-    for (u32 k = 0; k < ATTN_SPLIT_HEADS; k++)
-        if (k < n_group) a.parts[((u64)c * a.n_head + h0 + k) * head_dim + d] = p[k];
+    if (COMBINE) attention_slice_tail(P, a, v, g, ds, h0, n_group);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial(DS4_ARGS, AttentionPartialArgs a) {
+    DS4_GUARD;
+    attention_partial_impl<false>(P, a);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial_combine(DS4_ARGS, AttentionPartialCombineArgs a) {
+    DS4_GUARD;
+    attention_partial_impl<true>(P, a);
 }
 
 // A block per head, a thread per dim (blockDim >= head_dim): the chunks' sums in order, the

@@ -95,6 +95,17 @@ extern "C" __global__ void indexer_qat(DS4_ARGS, IndexerQatArgs a) {
     indexer_qat_block(a.x + (u64)blockIdx.x * 128);
 }
 
+// The indexer query's two ops in one launch, a block of 128 threads per head of 128: the RoPE of
+// its last n_rot dims at the token's position (rope_tail's), then indexer_qat's round trip.
+extern "C" __global__ void indexer_query_finish(DS4_ARGS, IndexerQueryFinishArgs a) {
+    DS4_GUARD;
+    float* row = a.x + (u64)blockIdx.x * 128;
+    const u32 pairs = a.n_rot / 2;
+    rope_tail_block(row + (128 - a.n_rot), a.table + (u64)P->pos * pairs * 2, pairs, false);
+    __syncthreads();
+    indexer_qat_block(row);
+}
+
 // The token's KV row, f16-rounded, into ring row pos % raw_cap.
 extern "C" __global__ void store_raw(DS4_ARGS, StoreRawArgs a) {
     DS4_GUARD;

@@ -168,6 +168,13 @@ pub fn attn_sum_threads() -> u32 {
     env_choice("DS4_CUDA_ATTN_SUM_THREADS", &[64, 128, 256], 128)
 }
 
+/// Whether the split decode attention adds its chunks in the weighted sums' last blocks
+/// (`attention_partial_combine`, one launch fewer per layer) or in a launch of their own
+/// (`DS4_CUDA_ATTN_COMBINE=separate`, `attention_combine`), to compare.
+fn combine_inside_partial() -> bool {
+    !env_is("DS4_CUDA_ATTN_COMBINE", "separate")
+}
+
 /// Set on every launch of a chunk program: the kernel skips a row whose StepParams count is 0 (a
 /// row past the chunk's tokens). Decode launches leave it clear and never read the count.
 pub const CHUNK_ROW: u64 = 1 << 63;
@@ -519,9 +526,22 @@ impl<'a> Builder<'a> {
         let slices = vis.div_ceil(score_rows);
         let chunks = vis.div_ceil(numerics::ATTN_ROW_CHUNK as u32);
         let dim_slices = a.head_dim.div_ceil(sum_threads);
+        // The combine inside the weighted sums' launch needs the rotated dims in one dim slice.
+        let rot_first = a.head_dim - a.n_rot;
+        let combine_inside = combine_inside_partial()
+            && a.head_dim.is_multiple_of(32)
+            && (a.rope == Ptr::NULL || a.n_rot == 0 || rot_first / sum_threads == (a.head_dim - 1) / sum_threads);
+        // Inside, each dim slice keeps a copy of the sums of its own (`sums_slice` floats).
+        let sums_slice = (1 + chunks) * a.n_head;
+        let sum_copies = if combine_inside { dim_slices } else { 1 };
         self.need(Scratch::AttnMaxes, slices as usize * n_head * 4);
-        self.need(Scratch::AttnSums, (1 + chunks as usize) * n_head * 4);
+        self.need(Scratch::AttnSums, (sum_copies * sums_slice) as usize * 4);
         self.need(Scratch::AttnParts, chunks as usize * n_head * head_dim * 4);
+        let ticket = self.tickets;
+        if combine_inside {
+            self.tickets += groups * dim_slices;
+            self.need(Scratch::Tickets, self.tickets as usize * 4);
+        }
         let a = AttentionScoresArgs {
             q: a.q,
             raw: a.raw,
@@ -536,6 +556,7 @@ impl<'a> Builder<'a> {
             maxes: Scratch::AttnMaxes.ptr(),
             sums: Scratch::AttnSums.ptr(),
             parts: Scratch::AttnParts.ptr(),
+            tickets: if combine_inside { Scratch::Tickets.ptr() } else { Ptr::NULL },
             head_dim: a.head_dim,
             window: a.window,
             raw_cap: a.raw_cap,
@@ -546,9 +567,16 @@ impl<'a> Builder<'a> {
             kq_scale: a.kq_scale,
             n_rot: a.n_rot,
             n_head: a.n_head,
+            ticket,
+            sums_slice,
         };
         self.launch(slices * groups, ATTN_SCORE_THREADS, a);
-        // The three kernels take the same fields (args.rs).
+        // The kernels take the same fields (args.rs).
+        if combine_inside {
+            let partial: AttentionPartialCombineArgs = bytemuck::cast(a);
+            self.launch(chunks * groups * dim_slices, sum_threads, partial);
+            return;
+        }
         let partial: AttentionPartialArgs = bytemuck::cast(a);
         self.launch(chunks * groups * dim_slices, sum_threads, partial);
         let combine: AttentionCombineArgs = bytemuck::cast(a);
@@ -1316,6 +1344,21 @@ impl<'a> Builder<'a> {
                     RopePos::CompressedRow { ratio } => (1, ratio),
                 };
                 let table = self.rope_table(rope, n_rot);
+                // The indexer query's FP4 round trip that follows runs in the same blocks.
+                let qat_next = self.next_ops(1, None).filter(|_| self.fuse && self.program.tokens().is_none());
+                if let Some(next) = qat_next.filter(|next| {
+                    matches!(*next[0].1, Op::IndexerQat { x: qx, rows, head_dim: 128 } if qx == x && rows == n_head)
+                        && head_dim == 128
+                        && n_rot % 2 == 0
+                        && n_rot <= 128
+                        && pos == RopePos::Current
+                        && !inverse
+                }) {
+                    self.absorb(&next);
+                    let a = IndexerQueryFinishArgs { x: b(x), table: Ptr::rope(table), n_rot, _pad: 0 };
+                    self.launch(n_head, 128, a);
+                    return Ok(());
+                }
                 let a = RopeTailArgs {
                     x: b(x),
                     table: Ptr::rope(table),
@@ -2096,7 +2139,7 @@ mod tests {
                 let Op::Attention { comp, selected, .. } = step.op else { continue };
                 let ls: Vec<&Launch> = p.launches.iter().filter(|l| l.ops.contains(&k)).collect();
                 let kernels: Vec<&str> = ls.iter().map(|l| l.kernel).collect();
-                assert_eq!(kernels, ["attention_scores", "attention_partial", "attention_combine"]);
+                assert_eq!(kernels, ["attention_scores", "attention_partial_combine"]);
                 // Visible rows: the window of 128, then 512 selected or ctx / 128 compressed rows.
                 let (kind, vis) = match (comp, selected) {
                     (None, _) => (0, 128),
@@ -2107,13 +2150,15 @@ mod tests {
                 // 4 groups of 16 heads; rows in slices of 16 and chunks of 64; 512 dims in 4 slices.
                 assert_eq!((ls[0].grid, ls[0].block), (vis.div_ceil(16) * 4, 256));
                 assert_eq!((ls[1].grid, ls[1].block), (vis.div_ceil(64) * 4 * 4, 128));
-                assert_eq!((ls[2].grid, ls[2].block), (64, 512));
                 assert!(ls.iter().all(|l| l.cond == ls[0].cond && l.args[..10] == ls[0].args[..10]));
+                // A ticket per (head group, dim slice); the sums in a copy per dim slice.
+                assert_eq!(ls[1].args[13], Scratch::Tickets.ptr().0);
+                assert_eq!(ls[1].args[19] >> 32, (1 + vis.div_ceil(64) as u64) * 64, "sums_slice");
             }
             assert_eq!(layers, [2, 1, 1], "flash-4l: two dense layers, then ratios 4 and 128");
             let need = |k: Scratch| p.scratch.iter().find(|(s, _)| *s == k).map_or(0, |&(_, b)| b);
             assert_eq!(need(Scratch::AttnMaxes), 40 * 64 * 4);
-            assert_eq!(need(Scratch::AttnSums), 11 * 64 * 4);
+            assert_eq!(need(Scratch::AttnSums), 4 * 11 * 64 * 4);
             assert_eq!(need(Scratch::AttnParts), 10 * 64 * 512 * 4);
         }
         let chunk = crate::decode::record(&model, Caps { ctx: 256 }, 8, 8).unwrap();
@@ -2240,7 +2285,7 @@ mod tests {
                     let quantizes = match l.kernel {
                         "quantize_q8_0" => Some((0, 1)),
                         "rms_norm" => Some((2, 3)),
-                        "attention" | "attention_combine" => Some((5, 8)),
+                        "attention" | "attention_combine" | "attention_partial_combine" => Some((5, 8)),
                         "swiglu" => Some((2, 3)),
                         "hc_pre" => Some((11, 12)),
                         // mode (word 13, low half) 2 quantizes the matvec's own output (word 3).
@@ -2373,8 +2418,11 @@ mod tests {
         assert_eq!(inside.launches.len() + 2 * layers - 1, fused.launches.len());
         // The experts' input is quantized inside hc_pre, the mid vector inside gate/up.
         assert_eq!(count(&fused, "quantize_q8_k"), 0);
-        // Only the indexer query's RoPE is left on its own.
-        assert_eq!(count(&fused, "rope_tail"), count(&fused, "indexer_scores"));
+        // The indexer query's RoPE and FP4 round trip share a launch; no other RoPE is on its own.
+        let indexers = fused.launches.iter().filter(|l| l.kernel.starts_with("indexer_scores")).count();
+        assert!(indexers > 0);
+        assert_eq!(count(&fused, "indexer_query_finish"), indexers);
+        assert_eq!((count(&fused, "rope_tail"), count(&fused, "indexer_qat")), (0, 0));
         let mut by_kernel: std::collections::BTreeMap<&str, usize> = Default::default();
         for l in &fused.launches {
             *by_kernel.entry(l.kernel).or_default() += 1;

@@ -1,7 +1,9 @@
-// Runs one decode token's attention through the block-per-head kernel `attention` and through
-// the split form (attention_scores, attention_partial, attention_combine, with the grids and
-// scratch plan.rs gives them), in the emulator, and compares the output and the fused Q8_0 bit
-// for bit.
+// Runs one decode token's attention through the block-per-head kernel `attention`, through the
+// split form (attention_scores, attention_partial, attention_combine, with the grids and scratch
+// plan.rs gives them) and through the split form with the combine in the weighted sums' last
+// blocks (attention_scores, attention_partial_combine; its blocks in a random order, where
+// plan.rs fuses), in the emulator, and compares the output and the fused Q8_0 bit for bit (and
+// the tickets back at 0).
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -50,10 +52,20 @@ static int run(const Config& c) {
     std::vector<float> maxes(slices * nh), sums((1 + chunks) * nh), parts((size_t)chunks * nh * hd);
     std::vector<i8> xq_old(nblk * 32), xq_new(nblk * 32);
     std::vector<float> xd_old(nblk), xd_new(nblk);
-    for (auto* v : {&out_old, &out_new, &sc_old, &sc_new, &maxes, &sums, &parts, &xd_old, &xd_new})
+    // The fused combine's own scratch: a copy of the sums per dim slice, the tickets after 3 others.
+    const u32 sums_slice = (1 + chunks) * nh;
+    std::vector<float> out_fc(nh * hd), sc_fc(nh * max_rows), maxes_fc(slices * nh), sums_fc(dim_slices * sums_slice);
+    std::vector<float> parts_fc((size_t)chunks * nh * hd), xd_fc(nblk);
+    std::vector<i8> xq_fc(nblk * 32);
+    std::vector<u32> tickets(3 + groups * dim_slices, 0);
+    for (auto* v : {&out_old, &out_new, &sc_old, &sc_new, &maxes, &sums, &parts, &xd_old, &xd_new, &out_fc, &sc_fc,
+                    &maxes_fc, &sums_fc, &parts_fc, &xd_fc})
         memset(v->data(), junk, v->size() * 4);
     memset(xq_old.data(), junk, xq_old.size());
     memset(xq_new.data(), junk, xq_new.size());
+    memset(xq_fc.data(), junk, xq_fc.size());
+    // plan.rs: the combine goes inside when the rotated dims lie in one dim slice.
+    const bool fused = hd % 32 == 0 && (c.n_rot == 0 || (hd - c.n_rot) / ATTN_SUM_THREADS == (hd - 1) / ATTN_SUM_THREADS);
     auto fill = [&](auto& a, float* out, float* sc, i8* xq, float* xd) {
         a.q = q.data();
         a.raw = raw.data();
@@ -98,6 +110,26 @@ static int run(const Config& c) {
         emu_launch({chunks * groups * dim_slices, 1, 1}, ATTN_SUM_THREADS, [&] { attention_partial(P0, 0, R, b); });
         emu_launch({nh, 1, 1}, (hd + 31) / 32 * 32, [&] { attention_combine(P0, 0, R, m); });
     }
+    if (fused) {
+        AttentionScoresArgs a{};
+        fill(a, out_fc.data(), sc_fc.data(), xq_fc.data(), xd_fc.data());
+        a.maxes = maxes_fc.data();
+        a.sums = sums_fc.data();
+        a.parts = parts_fc.data();
+        a.tickets = tickets.data();
+        a.ticket = 3;
+        a.sums_slice = sums_slice;
+        AttentionPartialCombineArgs b;
+        static_assert(sizeof b == sizeof a, "the same fields");
+        memcpy(&b, &a, sizeof a);
+        emu_launch({slices * groups, 1, 1}, ATTN_SCORE_THREADS, [&] { attention_scores(P0, 0, R, a); });
+        const u32 n = chunks * groups * dim_slices;
+        emu_block_order.resize(n);
+        for (u32 i = 0; i < n; i++) emu_block_order[i] = i;
+        for (u32 i = 0; i + 1 < n; i++) std::swap(emu_block_order[i], emu_block_order[i + rnd() % (n - i)]);
+        emu_launch({n, 1, 1}, ATTN_SUM_THREADS, [&] { attention_partial_combine(P0, 0, R, b); });
+        emu_block_order.clear();
+    }
     int bad = 0;
     u32 nonzero = 0;
     auto differ = [&](const char* what, u32 i, const void* o, const void* n, size_t bytes) {
@@ -114,9 +146,19 @@ static int run(const Config& c) {
             differ("Q8_0 quants of block", b, &xq_old[b * 32], &xq_new[b * 32], 32);
             differ("Q8_0 scale of block", b, &xd_old[b], &xd_new[b], 4);
         }
-    printf("%-34s heads %2u x %3u at pos %5u, visible %4u of %4u, blocks %4u/%4u/%2u: %s (%u of %u outputs finite, nonzero)\n",
+    if (fused) {
+        for (u32 i = 0; i < nh * hd; i++) differ("fused combine: out", i, &out_old[i], &out_fc[i], 4);
+        if (c.quant)
+            for (u32 b = 0; b < nblk; b++) {
+                differ("fused combine: Q8_0 quants of block", b, &xq_old[b * 32], &xq_fc[b * 32], 32);
+                differ("fused combine: Q8_0 scale of block", b, &xd_old[b], &xd_fc[b], 4);
+            }
+        for (u32 i = 0; i < tickets.size(); i++)
+            if (tickets[i]) differ("fused combine: ticket", i, &tickets[i], "\0\0\0", 4);
+    }
+    printf("%-34s heads %2u x %3u at pos %5u, visible %4u of %4u, blocks %4u/%4u/%2u%s: %s (%u of %u outputs finite, nonzero)\n",
            c.what, nh, hd, c.pos, n_rows, vis, slices * groups, chunks * groups * dim_slices, nh,
-           bad ? "DIFFER" : "same bits", nonzero, nh * hd);
+           fused ? ", fused too" : "", bad ? "DIFFER" : "same bits", nonzero, nh * hd);
     return bad;
 }
 
