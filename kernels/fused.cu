@@ -2,33 +2,49 @@
 // kernel's (the same device functions, the same order), so fusing changes no bit; only the
 // launches between them go. backends/cuda/plan.rs decides which runs fuse.
 
-// After the q and kv projections: each q head RMS-normalized in place (no weight) and its tail
-// rotated; the kv row RMS-normalized with its weight, rotated, fp8 round-tripped and stored into
-// the raw ring at pos % raw_cap. Blocks 0..n_head take a q head each, block n_head the kv row.
+// One q head after the q projection, in place at x (global or shared memory): RMS-normalized
+// (no weight), then its tail rotated at the token's position (trow).
+__device__ __forceinline__ void qkv_q_head_block(float* x, u32 hd, u32 n_rot, float eps, const float* trow) {
+    const float scale = rms_scale_block(x, hd, eps);
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) x[i] = x[i] * scale;
+    __syncthreads();
+    rope_tail_block(x + (hd - n_rot), trow, n_rot / 2, false);
+}
+
+// The kv row after the kv projection: RMS-normalized with its weight, rotated, fp8 round-tripped
+// and stored into the raw ring at pos % raw_cap.
+__device__ __forceinline__ void qkv_kv_row_block(const StepParams* P, const float* kv_raw, const float* kv_norm,
+                                                 float* kv, float* cache, const float* trow, u32 hd, u32 n_rot,
+                                                 u32 raw_cap, float eps) {
+    const float scale = rms_scale_block(kv_raw, hd, eps);
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) {
+        const float v = kv_raw[i] * scale;
+        kv[i] = v * kv_norm[i];
+    }
+    __syncthreads();
+    rope_tail_block(kv + (hd - n_rot), trow, n_rot / 2, false);
+    __syncthreads();
+    fp8_round_trip_block(kv, hd - n_rot);
+    __syncthreads();
+    float* dst = cache + (u64)(P->pos % raw_cap) * hd;
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = round_f16(kv[i]);
+}
+
+// The (cos, sin) row of the token's position in a RoPE table of n_rot / 2 pairs per position.
+__device__ __forceinline__ const float* qkv_rope_row(const StepParams* P, const float* table, u32 n_rot) {
+    return table + (u64)P->pos * (n_rot / 2) * 2;
+}
+
+// After the q and kv projections: blocks 0..n_head take a q head each, block n_head the kv row.
 extern "C" __global__ void qkv_finish(DS4_ARGS, QkvFinishArgs a) {
     DS4_GUARD;
-    const u32 hd = a.head_dim, pairs = a.n_rot / 2, h = blockIdx.x;
-    const float* trow = a.table + (u64)P->pos * pairs * 2;
+    const u32 hd = a.head_dim, h = blockIdx.x;
+    const float* trow = qkv_rope_row(P, a.table, a.n_rot);
     if (h < a.n_head) {
-        float* x = a.q + (u64)h * hd;
-        const float scale = rms_scale_block(x, hd, a.eps_q);
-        for (u32 i = threadIdx.x; i < hd; i += blockDim.x) x[i] = x[i] * scale;
-        __syncthreads();
-        rope_tail_block(x + (hd - a.n_rot), trow, pairs, false);
+        qkv_q_head_block(a.q + (u64)h * hd, hd, a.n_rot, a.eps_q, trow);
         return;
     }
-    const float scale = rms_scale_block(a.kv_raw, hd, a.eps_kv);
-    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) {
-        const float v = a.kv_raw[i] * scale;
-        a.kv[i] = v * a.kv_norm[i];
-    }
-    __syncthreads();
-    rope_tail_block(a.kv + (hd - a.n_rot), trow, pairs, false);
-    __syncthreads();
-    fp8_round_trip_block(a.kv, hd - a.n_rot);
-    __syncthreads();
-    float* dst = a.cache + (u64)(P->pos % a.raw_cap) * hd;
-    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = round_f16(a.kv[i]);
+    qkv_kv_row_block(P, a.kv_raw, a.kv_norm, a.kv, a.cache, trow, hd, a.n_rot, a.raw_cap, a.eps_kv);
 }
 
 // One compressor lane of a token, one block: the window state update (compressor_store), then,
@@ -760,5 +776,40 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
         quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blk, lane);
     }
     if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
+}
+
+// The q projection (q8_0_warp_row, a warp per row) with qkv_finish in its blocks: block 0 does the
+// kv row (the kv projection is the launch before), and of each q head's blocks the last to finish
+// (a ticket per head) normalizes and rotates the head once all its rows are stored. The head goes
+// through shared memory: its rows were stored by other blocks (read past L1).
+#define QKV_MAX_HEAD_DIM 1024
+extern "C" __global__ void mat_vec_q8_0_qkv(DS4_ARGS, MatVecQ80QkvArgs a) {
+    DS4_GUARD_EARLY;
+    const u32 hd = a.head_dim, rows = a.n_head * hd;
+    const float* trow = qkv_rope_row(P, a.table, a.n_rot);
+    if (blockIdx.x == 0) {
+        ds4_wait_predecessor();
+        qkv_kv_row_block(P, a.kv_raw, a.kv_norm, a.kv, a.cache, trow, hd, a.n_rot, a.raw_cap, a.eps_kv);
+        return;
+    }
+    const MatVecQ80Args m = {a.w, a.xq, a.xd, a.q, nullptr, nullptr, a.in_dim, rows, rows, 0};
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const u32 r0 = (blockIdx.x - 1) * nw, h = r0 / hd;
+    q8_0_warp_row(m, r0 + warp, lane);
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket + h, 1u) == hd / nw - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ __align__(16) float xs[QKV_MAX_HEAD_DIM];
+    float* x = a.q + (u64)h * hd;
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) xs[i] = __ldcg(x + i);
+    __syncthreads();
+    qkv_q_head_block(xs, hd, a.n_rot, a.eps_q, trow);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) x[i] = xs[i];
+    if (threadIdx.x == 0) a.tickets[a.ticket + h] = 0;
 }
 #endif

@@ -621,7 +621,7 @@ impl<'a> Builder<'a> {
                     rows_per_group,
                     rows2,
                 };
-                if !self.try_q8_tail(a, out, out2, in_b)? {
+                if !self.try_q8_qkv(&a, out)? && !self.try_q8_tail(a, out, out2, in_b)? {
                     self.launch(blocks(rows + rows2 as usize, 8), 256, a);
                 }
             }
@@ -942,6 +942,64 @@ impl<'a> Builder<'a> {
     /// run [norm kv, RoPE q, RoPE kv, fp8 kv, store kv] fuses into one `qkv_finish`.
     fn try_qkv_finish(&mut self, q: Buf, n_head: u32, hd: u32, eps_q: f32) -> Result<bool, String> {
         let Some(next) = self.next_ops(5, None) else { return Ok(false) };
+        let Some(a) = self.qkv_finish_run(&next, q, n_head, hd, eps_q)? else { return Ok(false) };
+        self.absorb(&next);
+        self.launch(n_head + 1, 256, a);
+        Ok(true)
+    }
+
+    /// At the q projection (a Q8_0 matvec `a` into `q`): when the next op normalizes the q heads
+    /// in place and qkv_finish's run follows, one `mat_vec_q8_0_qkv` launch does all of it (block
+    /// 0 the kv row, each head's last block its norm and RoPE). Off with `DS4_CUDA_QKV=apart`.
+    fn try_q8_qkv(&mut self, a: &MatVecQ80Args, q: Buf) -> Result<bool, String> {
+        if !self.fuse || self.program.rows() != 1 || a.rows2 != 0 || env_is("DS4_CUDA_QKV", "apart") {
+            return Ok(false);
+        }
+        let Some(next) = self.next_ops(6, None) else { return Ok(false) };
+        let Op::RmsNorm { x, weight: None, out, n: hd, rows: n_head, eps } = *next[0].1 else { return Ok(false) };
+        // Each block's 8 rows lie in one head; a head fits the tail's shared memory.
+        if x != q || out != q || n_head * hd != a.rows || a.rows_per_group != a.rows || hd % 8 != 0 || hd > 1024 {
+            return Ok(false);
+        }
+        let Some(f) = self.qkv_finish_run(&next[1..], q, n_head, hd, eps)? else { return Ok(false) };
+        self.absorb(&next);
+        let t = MatVecQ80QkvArgs {
+            w: a.w,
+            xq: a.xq,
+            xd: a.xd,
+            q: f.q,
+            tickets: Scratch::Tickets.ptr(),
+            kv_raw: f.kv_raw,
+            kv_norm: f.kv_norm,
+            kv: f.kv,
+            cache: f.cache,
+            table: f.table,
+            in_dim: a.in_dim,
+            n_head,
+            head_dim: hd,
+            n_rot: f.n_rot,
+            raw_cap: f.raw_cap,
+            ticket: self.tickets,
+            eps_q: f.eps_q,
+            eps_kv: f.eps_kv,
+        };
+        self.tickets += n_head;
+        self.need(Scratch::Tickets, self.tickets as usize * 4);
+        self.launch(1 + a.rows / 8, 256, t);
+        Ok(true)
+    }
+
+    /// qkv_finish's arguments when `next` is its run after the norm of the q heads `q` (n_head
+    /// of hd): [norm kv, RoPE q, RoPE kv, fp8 kv, store kv].
+    fn qkv_finish_run(
+        &mut self,
+        next: &[(usize, &Op)],
+        q: Buf,
+        n_head: u32,
+        hd: u32,
+        eps_q: f32,
+    ) -> Result<Option<QkvFinishArgs>, String> {
+        let [(_, n0), (_, n1), (_, n2), (_, n3), (_, n4)] = next else { return Ok(None) };
         let (
             Op::RmsNorm { x: kv_raw, weight: Some(kvn), out: kv, n, rows: 1, eps: eps_kv },
             Op::RopeTail { x: rq, n_head: nh, head_dim: hq, n_rot, rope, pos: RopePos::Current, inverse: false },
@@ -956,9 +1014,9 @@ impl<'a> Builder<'a> {
             },
             Op::Fp8RoundTrip { x: fx, head_dim: hf, n_rot: nr3 },
             Op::StoreRaw { kv: sk, cache, row_dim, raw_cap },
-        ) = (next[0].1.clone(), next[1].1.clone(), next[2].1.clone(), next[3].1.clone(), next[4].1.clone())
+        ) = ((*n0).clone(), (*n1).clone(), (*n2).clone(), (*n3).clone(), (*n4).clone())
         else {
-            return Ok(false);
+            return Ok(None);
         };
         let same = rq == q
             && nh == n_head
@@ -980,12 +1038,11 @@ impl<'a> Builder<'a> {
             || !hd.is_multiple_of(4)
             || kv_raw == kv
         {
-            return Ok(false);
+            return Ok(None);
         }
         let kv_norm = self.f32_weight(kvn)?;
         let table = self.rope_table(rope, n_rot);
-        self.absorb(&next);
-        let a = QkvFinishArgs {
+        Ok(Some(QkvFinishArgs {
             q: b(q),
             kv_raw: b(kv_raw),
             kv_norm,
@@ -998,9 +1055,7 @@ impl<'a> Builder<'a> {
             raw_cap,
             eps_q,
             eps_kv,
-        };
-        self.launch(n_head + 1, 256, a);
-        Ok(true)
+        }))
     }
 
     /// At the plain RMS norm of the HC streams: the run [control projection (F16), Sinkhorn split,
@@ -2273,6 +2328,11 @@ mod tests {
                             let x = match program.steps()[k].op {
                                 Op::MatVec { x, .. } | Op::MatVecGrouped { x, .. } => x,
                                 Op::RmsNorm { .. } | Op::SwiGlu { .. } if l.kernel != "mat_vec_q8_0" => continue,
+                                Op::RopeTail { .. } | Op::Fp8RoundTrip { .. } | Op::StoreRaw { .. }
+                                    if l.kernel == "mat_vec_q8_0_qkv" =>
+                                {
+                                    continue
+                                }
                                 ref op => panic!("launch {i}: {op:?} in a Q8_0 matvec"),
                             };
                             let have = held.get(&l.args[1]).map(|h| h.0);
@@ -2380,7 +2440,13 @@ mod tests {
         let (fused, single) = (plan(&program, true, false).unwrap(), plan(&program, false, false).unwrap());
         let count = |p: &Plan, k: &str| p.launches.iter().filter(|l| l.kernel == k).count();
         let layers = 43;
-        assert_eq!(count(&fused, "qkv_finish"), layers);
+        // The q heads' and the kv row's finish run in the q projection's blocks.
+        assert_eq!((count(&fused, "mat_vec_q8_0_qkv"), count(&fused, "qkv_finish")), (layers, 0));
+        for l in fused.launches.iter().filter(|l| l.kernel == "mat_vec_q8_0_qkv") {
+            let names: Vec<&str> = l.ops.iter().map(|&k| program.steps()[k].op.name()).collect();
+            assert_eq!(names.len(), 7, "{names:?}");
+            assert!(names[0] == "mat_vec" && names[6] == "store_raw", "{names:?}");
+        }
         // Each compressor lane's update runs in the last block of its kv + score projections.
         assert_eq!(count(&fused, "mat_vec_f16_split_comp"), count(&single, "compressor_store"));
         assert_eq!(count(&fused, "compressor_update"), 0);
