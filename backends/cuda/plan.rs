@@ -169,10 +169,11 @@ pub fn attn_sum_threads() -> u32 {
 }
 
 /// Whether the split decode attention adds its chunks in the weighted sums' last blocks
-/// (`attention_partial_combine`, one launch fewer per layer) or in a launch of their own
-/// (`DS4_CUDA_ATTN_COMBINE=separate`, `attention_combine`), to compare.
+/// (`DS4_CUDA_ATTN_COMBINE=fused`, `attention_partial_combine`, one launch fewer per layer) or in
+/// a launch of their own (`attention_combine`, the default). With `DS4_CUDA_QKV=fused` beside
+/// it, Flash measured 7% slower (BENCHMARKS.md, twenty-fourth session).
 fn combine_inside_partial() -> bool {
-    !env_is("DS4_CUDA_ATTN_COMBINE", "separate")
+    env_is("DS4_CUDA_ATTN_COMBINE", "fused")
 }
 
 /// Set on every launch of a chunk program: the kernel skips a row whose StepParams count is 0 (a
@@ -950,9 +951,10 @@ impl<'a> Builder<'a> {
 
     /// At the q projection (a Q8_0 matvec `a` into `q`): when the next op normalizes the q heads
     /// in place and qkv_finish's run follows, one `mat_vec_q8_0_qkv` launch does all of it (block
-    /// 0 the kv row, each head's last block its norm and RoPE). Off with `DS4_CUDA_QKV=apart`.
+    /// 0 the kv row, each head's last block its norm and RoPE). Only with `DS4_CUDA_QKV=fused`:
+    /// measured slower together with the fused attention combine (BENCHMARKS.md).
     fn try_q8_qkv(&mut self, a: &MatVecQ80Args, q: Buf) -> Result<bool, String> {
-        if !self.fuse || self.program.rows() != 1 || a.rows2 != 0 || env_is("DS4_CUDA_QKV", "apart") {
+        if !self.fuse || self.program.rows() != 1 || a.rows2 != 0 || !env_is("DS4_CUDA_QKV", "fused") {
             return Ok(false);
         }
         let Some(next) = self.next_ops(6, None) else { return Ok(false) };
@@ -2194,7 +2196,7 @@ mod tests {
                 let Op::Attention { comp, selected, .. } = step.op else { continue };
                 let ls: Vec<&Launch> = p.launches.iter().filter(|l| l.ops.contains(&k)).collect();
                 let kernels: Vec<&str> = ls.iter().map(|l| l.kernel).collect();
-                assert_eq!(kernels, ["attention_scores", "attention_partial_combine"]);
+                assert_eq!(kernels, ["attention_scores", "attention_partial", "attention_combine"]);
                 // Visible rows: the window of 128, then 512 selected or ctx / 128 compressed rows.
                 let (kind, vis) = match (comp, selected) {
                     (None, _) => (0, 128),
@@ -2206,14 +2208,15 @@ mod tests {
                 assert_eq!((ls[0].grid, ls[0].block), (vis.div_ceil(16) * 4, 256));
                 assert_eq!((ls[1].grid, ls[1].block), (vis.div_ceil(64) * 4 * 4, 128));
                 assert!(ls.iter().all(|l| l.cond == ls[0].cond && l.args[..10] == ls[0].args[..10]));
-                // A ticket per (head group, dim slice); the sums in a copy per dim slice.
-                assert_eq!(ls[1].args[13], Scratch::Tickets.ptr().0);
+                // The combine in its own launch (the default): no tickets, one copy of the sums.
+                assert_eq!(ls[1].args[13], 0);
+                assert_eq!((ls[2].grid, ls[2].block), (64, 512));
                 assert_eq!(ls[1].args[19] >> 32, (1 + vis.div_ceil(64) as u64) * 64, "sums_slice");
             }
             assert_eq!(layers, [2, 1, 1], "flash-4l: two dense layers, then ratios 4 and 128");
             let need = |k: Scratch| p.scratch.iter().find(|(s, _)| *s == k).map_or(0, |&(_, b)| b);
             assert_eq!(need(Scratch::AttnMaxes), 40 * 64 * 4);
-            assert_eq!(need(Scratch::AttnSums), 4 * 11 * 64 * 4);
+            assert_eq!(need(Scratch::AttnSums), 11 * 64 * 4);
             assert_eq!(need(Scratch::AttnParts), 10 * 64 * 512 * 4);
         }
         let chunk = crate::decode::record(&model, Caps { ctx: 256 }, 8, 8).unwrap();
@@ -2440,13 +2443,8 @@ mod tests {
         let (fused, single) = (plan(&program, true, false).unwrap(), plan(&program, false, false).unwrap());
         let count = |p: &Plan, k: &str| p.launches.iter().filter(|l| l.kernel == k).count();
         let layers = 43;
-        // The q heads' and the kv row's finish run in the q projection's blocks.
-        assert_eq!((count(&fused, "mat_vec_q8_0_qkv"), count(&fused, "qkv_finish")), (layers, 0));
-        for l in fused.launches.iter().filter(|l| l.kernel == "mat_vec_q8_0_qkv") {
-            let names: Vec<&str> = l.ops.iter().map(|&k| program.steps()[k].op.name()).collect();
-            assert_eq!(names.len(), 7, "{names:?}");
-            assert!(names[0] == "mat_vec" && names[6] == "store_raw", "{names:?}");
-        }
+        // qkv_finish is a launch of its own unless DS4_CUDA_QKV=fused (measured slower).
+        assert_eq!((count(&fused, "qkv_finish"), count(&fused, "mat_vec_q8_0_qkv")), (layers, 0));
         // Each compressor lane's update runs in the last block of its kv + score projections.
         assert_eq!(count(&fused, "mat_vec_f16_split_comp"), count(&single, "compressor_store"));
         assert_eq!(count(&fused, "compressor_update"), 0);
