@@ -30,13 +30,24 @@ __device__ __forceinline__ void ds4_check_dynamic_smem(u32 need) {
 }
 
 // Programmatic dependent launch (sm_90 on): the host may start a kernel while the one before it
-// finishes. Each kernel first waits until its predecessor has completed and its writes are
-// visible (a no-op when launched without it), then lets its own successor start launching.
-// Waiting before any memory access keeps completion transitive along the stream.
+// finishes. Each kernel waits until its predecessor has completed and its writes are visible (a
+// no-op when launched without it) before it reads anything an earlier kernel wrote; every kernel
+// waits, so completion is transitive along the stream. It lets its successor start launching
+// after its wait, or with DS4_PDL_TRIGGER 1 already at the guard, its first instruction, so the
+// successor's blocks may become resident, and load their weights, while this kernel still waits
+// for its own predecessor.
+#ifndef DS4_PDL_TRIGGER
+#define DS4_PDL_TRIGGER 0
+#endif
+__device__ __forceinline__ void ds4_trigger_successor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void ds4_wait_predecessor() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    ds4_trigger_successor();  // a second signal (after the guards' early one) changes nothing
 #endif
 }
 
@@ -55,6 +66,7 @@ __device__ __forceinline__ void ds4_wait_predecessor() {
 #define DS4_ROW
 #endif
 #define DS4_GUARD                \
+    if (DS4_PDL_TRIGGER) ds4_trigger_successor(); \
     DS4_ROW                      \
     ds4_wait_predecessor();      \
     if (!ds4_cond(P, cond)) return
@@ -62,6 +74,7 @@ __device__ __forceinline__ void ds4_wait_predecessor() {
 // step parameters are written before the token starts): the predicate first, then the weight
 // loads, then ds4_wait_predecessor() before reading anything an earlier kernel writes.
 #define DS4_GUARD_EARLY              \
+    if (DS4_PDL_TRIGGER) ds4_trigger_successor(); \
     DS4_ROW                          \
     if (!ds4_cond(P, cond)) {        \
         ds4_wait_predecessor();      \

@@ -132,18 +132,22 @@ struct ExpertRow {
 };
 // Native layout: the table's quants entry is the expert's first block plus `at`, its rest entry
 // the first block itself, and both step a whole block per block.
-__device__ __forceinline__ ExpertRow expert_row(const u64* table, u32 ty, u64 e, u64 first_block) {
+// `qs0` and `rest0` are the expert's table entries (its block 0).
+__device__ __forceinline__ ExpertRow expert_row_at(const u8* qs0, const u8* rest0, u32 ty, u64 first_block) {
     u32 bb = 0, at = 0, nq = 0;
     ds4_block_split(ty, &bb, &at, &nq);
     ExpertRow r;
 #if DS4_NATIVE_BLOCKS
-    r.qs = (const u8*)table[2 * e] + first_block * bb;
-    r.rest = (const u8*)table[2 * e + 1] + first_block * bb;
+    r.qs = qs0 + first_block * bb;
+    r.rest = rest0 + first_block * bb;
 #else
-    r.qs = (const u8*)table[2 * e] + first_block * nq;
-    r.rest = (const u8*)table[2 * e + 1] + first_block * (bb - nq);
+    r.qs = qs0 + first_block * nq;
+    r.rest = rest0 + first_block * (bb - nq);
 #endif
     return r;
+}
+__device__ __forceinline__ ExpertRow expert_row(const u64* table, u32 ty, u64 e, u64 first_block) {
+    return expert_row_at((const u8*)table[2 * e], (const u8*)table[2 * e + 1], ty, first_block);
 }
 __device__ __forceinline__ ExpertRow no_row() {
     ExpertRow r;
@@ -224,12 +228,13 @@ __device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u
 }
 
 // Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, the bytes iq2_xxs_sub
-// dots: weights 0-3 in lo, 4-7 in hi.
-template <bool TABLE>
+// dots: weights 0-3 in lo, 4-7 in hi. With S > 1 the tables hold S copies of each word side by
+// side (iq2_tab_copies) and `codes`, `signs` point at this lane's copy.
+template <bool TABLE, u32 S = 1>
 __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
                                               u32* hi) {
     const u32 s = (aux1 >> (7 * l)) & 127;
-    const u32 sel = codes[(aux0 >> (8 * l)) & 255] | (TABLE ? signs[s] : iq2_sign_nibbles(s));
+    const u32 sel = codes[((aux0 >> (8 * l)) & 255) * S] | (TABLE ? signs[s * S] : iq2_sign_nibbles(s));
     *lo = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel);
     *hi = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel >> 16);
 }
@@ -244,11 +249,12 @@ __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u
 // An IQ2_XXS sub-block's 8 weight words (4 grid indices in aux0; 4x7 sign bits and a 4-bit scale
 // in aux1) with their signs applied, by iq2_xxs_entry, and its scale 2s + 1: the sub-block's dot
 // with any activations is sum_j dp4a(w[j], q8[j]) * scale.
+template <u32 S = 1>
 __device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32* tab, int* w) {
 #pragma unroll
     for (u32 l = 0; l < 4; l++) {
         u32 lo, hi;
-        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0)>(aux0, aux1, l, tab, tab + 256, &lo, &hi);
+        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0), S>(aux0, aux1, l, tab, tab + 256 * S, &lo, &hi);
         w[2 * l] = (int)lo;
         w[2 * l + 1] = (int)hi;
     }
@@ -257,10 +263,11 @@ __device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32
 
 // An IQ2_XXS sub-block (32 values) dotted with its 32 activation bytes qa, qb. The integer sum is
 // exact in any order.
+template <u32 S = 1>
 __device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u32* tab) {
     const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
     int w[8];
-    const int scale = iq2_xxs_sub_weights(aux0, aux1, tab, w);
+    const int scale = iq2_xxs_sub_weights<S>(aux0, aux1, tab, w);
     int sumi = 0;
 #pragma unroll
     for (u32 j = 0; j < 8; j++) sumi = __dp4a(w[j], q8[j], sumi);
@@ -331,13 +338,13 @@ __device__ __forceinline__ ActPart load_act_part(const BlockQ8K* y, u32 p) {
 }
 
 // Integer sums of one part: `isum` the scaled quant·q8 products, `summ` the scaled mins times the
-// q8 sums (Q2_K / Q4_K).
-template <u32 TY>
+// q8 sums (Q2_K / Q4_K). S: the IQ2_XXS tables' copies (iq2_xxs_entry).
+template <u32 TY, u32 S = 1>
 __device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u32* tab, int* isum,
                                           int* summ) {
     const u32 wv[4] = {(u32)w.q.x, (u32)w.q.y, (u32)w.q.z, (u32)w.q.w};
     if (TY == 16) {
-        *isum = iq2_xxs_sub(wv[0], wv[1], a.q[0], a.q[1], tab) + iq2_xxs_sub(wv[2], wv[3], a.q[2], a.q[3], tab);
+        *isum = iq2_xxs_sub<S>(wv[0], wv[1], a.q[0], a.q[1], tab) + iq2_xxs_sub<S>(wv[2], wv[3], a.q[2], a.q[3], tab);
         *summ = 0;
     } else if (TY == 10) {
         const u32 h = p & 1;
@@ -474,6 +481,18 @@ __device__ __forceinline__ const u32* iq2_tab(const u64* grid, bool needed) {
     return tab_sh;
 }
 
+// iq2_nibble_tables with S copies of every word side by side (word i's copy c at i * S + c), so
+// that lane l reading copy l % S finds its word in bank (i * S + l % S) % 32: with S = 32 no two
+// lanes of a warp meet in a bank, with 16 at most two. A warp's 32 random lookups into the single
+// tables meet about 3 to 4 deep in some bank, each depth one more shared-memory wavefront.
+template <u32 S>
+__device__ __forceinline__ void iq2_nibble_tables_copies(const u64* grid, u32* tab) {
+    __shared__ u32 one[256 + 128];
+    iq2_nibble_tables(grid, one, one + 256);
+    for (u32 i = threadIdx.x; i < (256 + 128) * S; i += blockDim.x) tab[i] = one[i / S];
+    __syncthreads();
+}
+
 // mid[slot][r] = silu(min(gate,c)) * clamp(up,±c) * weight[slot]; one warp per (slot, two rows).
 template <u32 TY, int U>
 __device__ __forceinline__ void moe_gate_up_rows(const MoeGateUpArgs& a, const u32* tab, u32 wid,
@@ -540,7 +559,7 @@ __device__ __forceinline__ void moe_gate_up_mid_q8_k(const MoeGateUpArgs& a) {
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    const u32 per_slot = a.ff / MOE_ROWS_PER_WARP / (blockDim.x >> 5), slot = blockIdx.x / per_slot;
+    const u32 per_slot = gridDim.x / a.n_used, slot = blockIdx.x / per_slot;
     if (threadIdx.x == 0) last = atomicAdd(a.tickets + a.ticket + slot, 1u) == per_slot - 1;
     __syncthreads();
     if (!last) return;
@@ -573,20 +592,108 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, MoeGateUpArgs a) {
 #define MOE_GATE_UP_PASSES 1
 #endif
 
-// The same for IQ2_XXS alone (the Flash experts): without the k-quant paths it needs 72
-// registers (80 with the sign-spreading decode before iq2_xxs_entry) instead of 96-112, so 3
-// blocks of 256 fit on an SM instead of 2; these loads are latency-bound (ncu: long-scoreboard
-// stalls, 23% of the warps active), so that pays: 32.6 -> 26.2 us per launch on the H200. A bound
-// of 4 blocks (64 registers, 60 bytes spilled) measured slower: Flash 137.1 against 141.5 tok/s.
-extern "C" __global__ void moe_gate_up_iq2_xxs(DS4_ARGS, MoeGateUpArgs a) {
-    DS4_GUARD;
+// The same for IQ2_XXS alone (the Flash experts), in its own kernel: without the k-quant paths
+// it needs fewer registers, so 3 blocks of 256 fit on an SM instead of 2 (these loads are
+// latency-bound: ncu showed long-scoreboard stalls and 23% of the warps active; 32.6 -> 26.2 us
+// on the H200). A bound of 4 blocks (64 registers, spilled) measured slower: Flash 137.1 against
+// 141.5 tok/s.
+//
+// The launch has gridDim.x / n_used blocks per slot (plan.rs moe_gate_up_tasks gives two tasks
+// per warp): a warp takes tasks (two rows of gate and up) of its slot in turn and loads the next
+// pass's weights (the next task's first pass at a task's end) before it decodes this one's. The
+// decode tables are built before waiting for the previous kernel (they are constant); the selected
+// expert is read after. Each row's integer block sums and row_total are the one-task-per-warp
+// kernel's: the same bits. H200, ncu on flash-4l: 27.7 us a launch before, 28.8 with one task a
+// warp, 26.5 with two.
+// Blocks per SM the registers are capped for.
+#ifndef MOE_GU_MIN_BLOCKS
+#define MOE_GU_MIN_BLOCKS 3
+#endif
+// Copies of the decode tables (iq2_nibble_tables_copies): 1, or 16 (24 KB) to spread the lookups
+// over the banks. NOT yet measured on a GPU (exact in scripts/moe-emulate); to measure:
+// DS4_CUDA_DEFINES="MOE_IQ2_TAB_COPIES=16".
+#ifndef MOE_IQ2_TAB_COPIES
+#define MOE_IQ2_TAB_COPIES 1
+#endif
+
+extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up_iq2_xxs(DS4_ARGS, MoeGateUpArgs a) {
+    DS4_GUARD_EARLY;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
-    __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
+    constexpr u32 S = MOE_IQ2_TAB_COPIES;
+#if MOE_IQ2_TAB_COPIES > 1
+    __shared__ u32 tab_copies[(256 + 128) * S];
+    iq2_nibble_tables_copies<S>(a.grid, tab_copies);
+    const u32* tab = tab_copies + (threadIdx.x & 31) % S;
+#else
     const u32* tab = iq2_tab(a.grid, true);
-    const u32 warp = threadIdx.x >> 5;
-    const u32 wid = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (wid < a.n_used * (a.ff / MOE_ROWS_PER_WARP))
-        moe_gate_up_rows<16, MOE_GATE_UP_PASSES>(a, tab, wid, is_sh[warp], sm_sh[warp]);
+#endif
+    ds4_wait_predecessor();
+    typedef Layout<16> Lay;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = lane % Lay::L;
+    const u32 per_slot = gridDim.x / a.n_used, slot = blockIdx.x / per_slot;
+    const u32 tasks = a.ff / MOE_ROWS_PER_WARP, stride = per_slot * (blockDim.x >> 5);
+    const u32 nb = a.in_dim / 256, passes = (nb + Lay::BPP - 1) / Lay::BPP;
+    const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
+    const u8* gq = (const u8*)a.gate[2 * e];
+    const u8* gr = (const u8*)a.gate[2 * e + 1];
+    const u8* uq = (const u8*)a.up[2 * e];
+    const u8* ur = (const u8*)a.up[2 * e + 1];
+    int(*is)[MOE_MAX_BLOCKS] = is_sh[warp];
+    // Row k of task t: gate then up of rows 2t and 2t + 1.
+    auto row_of = [&](u32 t, int k) {
+        const u64 first = (u64)(t * MOE_ROWS_PER_WARP + (k >> 1)) * nb;
+        return (k & 1) ? expert_row_at(uq, ur, 16, first) : expert_row_at(gq, gr, 16, first);
+    };
+    u32 t = (blockIdx.x % per_slot) * (blockDim.x >> 5) + warp, p = 0;
+    WeightPart cur[2 * MOE_ROWS_PER_WARP];
+    if (t < tasks) {
+#pragma unroll
+        for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++)
+            if (lane / Lay::L < nb) cur[k] = load_weight_part<16>(row_of(t, k), lane / Lay::L, part);
+    }
+    while (t < tasks) {
+        const bool task_end = p + 1 == passes;
+        const u32 nt = task_end ? t + stride : t, np = task_end ? 0 : p + 1;
+        const u32 b = p * Lay::BPP + lane / Lay::L, nbk = np * Lay::BPP + lane / Lay::L;
+        // The task's first block scales for row_total, loaded while its last pass decodes.
+        u32 first[2 * MOE_ROWS_PER_WARP];
+        if (task_end) {
+#pragma unroll
+            for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) first[k] = row_first_scales<16>(row_of(t, k), nb);
+        }
+        WeightPart nxt[2 * MOE_ROWS_PER_WARP];
+        if (nt < tasks) {
+#pragma unroll
+            for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++)
+                if (nbk < nb) nxt[k] = load_weight_part<16>(row_of(nt, k), nbk, part);
+        }
+        ActPart act;
+        if (b < nb) act = load_act_part<16>(a.xq + b, part);
+#pragma unroll
+        for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
+            int s = 0, m = 0;
+            if (b < nb) part_sums<16, S>(cur[k], act, part, tab, &s, &m);
+#pragma unroll
+            for (u32 o = 1; o < Lay::L; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (part == 0 && b < nb) is[k][b] = s;
+        }
+        if (task_end) {
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
+                const float g = row_total<16>(row_of(t, 2 * k).rest, a.xq, nb, is[2 * k], is[2 * k], first[2 * k]);
+                const float u =
+                    row_total<16>(row_of(t, 2 * k + 1).rest, a.xq, nb, is[2 * k + 1], is[2 * k + 1], first[2 * k + 1]);
+                if (lane == 0)
+                    a.mid[(u64)slot * a.ff + t * MOE_ROWS_PER_WARP + k] = swiglu_clamped(g, u, a.clamp) * a.weights[slot];
+            }
+            __syncwarp();
+        }
+#pragma unroll
+        for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) cur[k] = nxt[k];
+        t = nt;
+        p = np;
+    }
     if (a.midq) moe_gate_up_mid_q8_k(a);
 }
 

@@ -146,6 +146,14 @@ pub const ATTN_SPLIT_HEADS: u32 = 16;
 pub const ATTN_SCORE_THREADS: u32 = 256;
 
 /// Whether the measuring switch `name` (an environment variable) is set to `value`.
+/// Tasks (two rows of gate and up) per warp of `moe_gate_up_iq2_xxs`: each warp loads its next
+/// task's weights while it decodes this one's. Two measured fastest on the H200 (Flash 144.4 /
+/// 144.3 tok/s against 143.5 / 142.8 for one task a warp before; three slower);
+/// `DS4_CUDA_MOE_GU_TASKS` (1 to 4) to measure.
+fn moe_gate_up_tasks() -> u32 {
+    env_choice("DS4_CUDA_MOE_GU_TASKS", &[1, 2, 3, 4], 2)
+}
+
 pub fn env_is(name: &str, value: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == value)
 }
@@ -1691,10 +1699,15 @@ impl<'a> Builder<'a> {
                     ticket,
                 };
                 // One warp per two rows of each used expert (kernels/moe.cu: MOE_ROWS_PER_WARP);
-                // IQ2_XXS has a kernel of its own (fewer registers than all three types' paths).
-                self.launch(blocks(n_used * ff / 2, 8), 256, a);
+                // IQ2_XXS has a kernel of its own (fewer registers than all three types' paths),
+                // whose warps may take several of their slot's tasks in turn: the grid is whole
+                // blocks per slot.
                 if gt.ty == GgmlType::IQ2_XXS {
+                    let per_slot = blocks(ff / 2, 8).div_ceil(moe_gate_up_tasks());
+                    self.launch(n_used as u32 * per_slot, 256, a);
                     self.launches.last_mut().expect("just launched").kernel = "moe_gate_up_iq2_xxs";
+                } else {
+                    self.launch(blocks(n_used * ff / 2, 8), 256, a);
                 }
                 if !fuse_mid {
                     let a = QuantizeQ8KArgs { x: Scratch::Mid.ptr(), out: Scratch::Q8KMid.ptr() };

@@ -5,7 +5,9 @@
 // layout, again with the tensor-core kernels (moe_gate_up_mma_iq2_xxs, moe_down_mma_q2_k) where
 // the types have them; with the first of those, moe_gate_up_tile_iq2_xxs's mid against
 // moe_gate_up_mma_iq2_xxs's; on configs of its own, moe_down_tile_q2_k's parts against
-// moe_down_mma_q2_k's. First it checks the emulated int8 MMA against a plain matrix product.
+// moe_down_mma_q2_k's; on the smaller configs, the decode moe_gate_up_iq2_xxs with 2 and 3 tasks a
+// warp against the generic moe_gate_up. First it checks the emulated int8 MMA against a plain
+// matrix product.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -104,6 +106,41 @@ static int gate_up_tile_check(const Config& c, MoeGateUpGroupedArgs a, RowBuf& r
 }
 #endif
 
+// moe_gate_up_iq2_xxs (the one-task-per-warp grid already ran as the old path) with T = 2, 3 tasks
+// per warp (plan.rs moe_gate_up_tasks: whole blocks per slot, so a warp takes rows t, t + stride,
+// ...), against the generic moe_gate_up's IQ2_XXS path: mid and its Q8_K bit for bit.
+static int gate_up_tasks_check(const Config& c, MoeGateUpArgs a, RowBuf& X, RowBuf& SEL, RowBuf& W,
+                               size_t mid_bytes, size_t midq_bytes, const StepParams* P0, u64 cond) {
+    int bad = 0;
+    RowBuf mid_ref(mid_bytes, c.rows), midq_ref(midq_bytes, c.rows);
+    for (u32 tasks = 0; tasks <= 3; tasks++) {
+        if (tasks == 1) continue;
+        RowBuf mid(mid_bytes, c.rows), midq(midq_bytes, c.rows), tickets(c.n_used * 4, c.rows, 0);
+        RowBuf& m = tasks ? mid : mid_ref;
+        RowBuf& mq = tasks ? midq : midq_ref;
+        a.mid = (float*)m.ptr();
+        a.midq = (BlockQ8K*)mq.ptr();
+        a.tickets = (u32*)tickets.ptr();
+        const RowStrides R = row_strides({X.stride, SEL.stride, W.stride, 0, 0, m.stride, 0, mq.stride, tickets.stride});
+        if (tasks == 0) {
+            emu_launch({blocks_of(c.n_used * c.ff / 2, 8), c.rows, 1}, 256, [&] { moe_gate_up(P0, cond, R, a); });
+            continue;
+        }
+        const u32 per_slot = (blocks_of(c.ff / 2, 8) + tasks - 1) / tasks;
+        emu_launch({c.n_used * per_slot, c.rows, 1}, 256, [&] { moe_gate_up_iq2_xxs(P0, cond, R, a); });
+        int b = 0;
+        for (u32 y = 0; y < c.active; y++) {
+            b += memcmp(mid.row<char>(y), mid_ref.row<char>(y), mid_bytes) != 0;
+            b += memcmp(midq.row<char>(y), midq_ref.row<char>(y), midq_bytes) != 0;
+            for (u32 s = 0; s < c.n_used; s++) b += tickets.row<u32>(y)[s] != 0;
+        }
+        printf("gate 16 in %u ff %u used %u rows %u/%u: moe_gate_up_iq2_xxs, %u tasks a warp, against moe_gate_up: %s\n",
+               c.in_dim, c.ff, c.n_used, c.active, c.rows, tasks, b ? "DIFFER" : "same bits");
+        bad += b;
+    }
+    return bad;
+}
+
 static int run(const Config& c, bool native) {
     const u32 nbi = c.in_dim / 256, nbf = c.ff / 256;
     Experts gate(c.gate_ty, c.n_expert, c.ff, nbi, native), up(c.gate_ty, c.n_expert, c.ff, nbi, native);
@@ -161,6 +198,7 @@ static int run(const Config& c, bool native) {
               TD = (u64)down.table.data();
     auto P0 = P.data();
 
+    int bad_tasks = 0;
     // Old: per row, over blockIdx.y.
     {
         MoeGateUpArgs a{};
@@ -198,10 +236,13 @@ static int run(const Config& c, bool native) {
         d.n_expert = c.n_expert;
         const RowStrides RD = row_strides({midq_old.stride, SEL.stride, 0, out_old.stride, 0});
         emu_launch({blocks_of((c.out_dim + 1) / 2, 8), c.rows, 1}, 256, [&] { moe_down(P0, cond, RD, d); });
+        if (c.gate_ty == 16 && c.ff % 256 == 0 && c.counts.empty() && c.rows <= 8)
+            bad_tasks = gate_up_tasks_check(c, a, X, SEL, W, mid_bytes, midq_bytes, P0, cond);
     }
     // New: grouped by expert, on CUDA cores (mma false) or, where the layout and types have them,
     // on tensor cores; each compared with the old.
     int bad = 0;
+    bad += bad_tasks;
     // mma: 0 CUDA cores, 1 the tensor-core kernels.
     for (int mma = 0; mma < 2; mma++) {
         const bool mma_gate_up = mma && !native && c.gate_ty == 16, mma_down = mma && !native && c.down_ty == 10;
