@@ -145,15 +145,15 @@ const SPLIT_K_ROWS: usize = 2048;
 pub const ATTN_SPLIT_HEADS: u32 = 16;
 pub const ATTN_SCORE_THREADS: u32 = 256;
 
-/// Whether the measuring switch `name` (an environment variable) is set to `value`.
 /// Tasks (two rows of gate and up) per warp of `moe_gate_up_iq2_xxs`: each warp loads its next
 /// task's weights while it decodes this one's. Two measured fastest on the H200 (Flash 144.4 /
-/// 144.3 tok/s against 143.5 / 142.8 for one task a warp before; three slower);
+/// 144.3 tok/s against 143.5 / 142.8 for one task a warp before; three were not timed there);
 /// `DS4_CUDA_MOE_GU_TASKS` (1 to 4) to measure.
 fn moe_gate_up_tasks() -> u32 {
     env_choice("DS4_CUDA_MOE_GU_TASKS", &[1, 2, 3, 4], 2)
 }
 
+/// Whether the measuring switch `name` (an environment variable) is set to `value`.
 pub fn env_is(name: &str, value: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == value)
 }

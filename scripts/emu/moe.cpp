@@ -111,23 +111,20 @@ static int gate_up_tile_check(const Config& c, MoeGateUpGroupedArgs a, RowBuf& r
 // ...), against the generic moe_gate_up's IQ2_XXS path: mid and its Q8_K bit for bit.
 static int gate_up_tasks_check(const Config& c, MoeGateUpArgs a, RowBuf& X, RowBuf& SEL, RowBuf& W,
                                size_t mid_bytes, size_t midq_bytes, const StepParams* P0, u64 cond) {
-    int bad = 0;
-    RowBuf mid_ref(mid_bytes, c.rows), midq_ref(midq_bytes, c.rows);
-    for (u32 tasks = 0; tasks <= 3; tasks++) {
-        if (tasks == 1) continue;
-        RowBuf mid(mid_bytes, c.rows), midq(midq_bytes, c.rows), tickets(c.n_used * 4, c.rows, 0);
-        RowBuf& m = tasks ? mid : mid_ref;
-        RowBuf& mq = tasks ? midq : midq_ref;
-        a.mid = (float*)m.ptr();
-        a.midq = (BlockQ8K*)mq.ptr();
+    // Launches `kernel` on `grid` blocks with fresh mid, Q8_K and tickets.
+    auto launch = [&](u32 grid, RowBuf& mid, RowBuf& midq, RowBuf& tickets, auto kernel) {
+        a.mid = (float*)mid.ptr();
+        a.midq = (BlockQ8K*)midq.ptr();
         a.tickets = (u32*)tickets.ptr();
-        const RowStrides R = row_strides({X.stride, SEL.stride, W.stride, 0, 0, m.stride, 0, mq.stride, tickets.stride});
-        if (tasks == 0) {
-            emu_launch({blocks_of(c.n_used * c.ff / 2, 8), c.rows, 1}, 256, [&] { moe_gate_up(P0, cond, R, a); });
-            continue;
-        }
-        const u32 per_slot = (blocks_of(c.ff / 2, 8) + tasks - 1) / tasks;
-        emu_launch({c.n_used * per_slot, c.rows, 1}, 256, [&] { moe_gate_up_iq2_xxs(P0, cond, R, a); });
+        const RowStrides R = row_strides({X.stride, SEL.stride, W.stride, 0, 0, mid.stride, 0, midq.stride, tickets.stride});
+        emu_launch({grid, c.rows, 1}, 256, [&] { kernel(P0, cond, R, a); });
+    };
+    RowBuf mid_ref(mid_bytes, c.rows), midq_ref(midq_bytes, c.rows), tickets_ref(c.n_used * 4, c.rows, 0);
+    launch(blocks_of(c.n_used * c.ff / 2, 8), mid_ref, midq_ref, tickets_ref, moe_gate_up);
+    int bad = 0;
+    for (u32 tasks = 2; tasks <= 3; tasks++) {
+        RowBuf mid(mid_bytes, c.rows), midq(midq_bytes, c.rows), tickets(c.n_used * 4, c.rows, 0);
+        launch(c.n_used * ((blocks_of(c.ff / 2, 8) + tasks - 1) / tasks), mid, midq, tickets, moe_gate_up_iq2_xxs);
         int b = 0;
         for (u32 y = 0; y < c.active; y++) {
             b += memcmp(mid.row<char>(y), mid_ref.row<char>(y), mid_bytes) != 0;
