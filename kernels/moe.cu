@@ -232,11 +232,20 @@ __device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u
 // side (iq2_tab_copies) and `codes`, `signs` point at this lane's copy.
 template <bool TABLE, u32 S = 1>
 __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
-                                              u32* hi) {
+                                              u32* hi, u32 pos = IQ2_PRMT_POS) {
     const u32 s = (aux1 >> (7 * l)) & 127;
-    const u32 sel = codes[((aux0 >> (8 * l)) & 255) * S] | (TABLE ? signs[s * S] : iq2_sign_nibbles(s));
-    *lo = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel);
-    *hi = prmt(IQ2_PRMT_POS, IQ2_PRMT_NEG, sel >> 16);
+    u32 sel;
+    if (TABLE && S == 1) {
+        // Both words' byte offsets by one shift and one mask each (l is unrolled), so that the
+        // sign table's base folds into the load: 2 instructions fewer per entry than by index.
+        const u32 co = (l == 0 ? aux0 << 2 : aux0 >> (8 * l - 2)) & 0x3fcu;
+        const u32 so = (l == 0 ? aux1 << 2 : aux1 >> (7 * l - 2)) & 0x1fcu;
+        sel = *(const u32*)((const char*)codes + co) | *(const u32*)((const char*)signs + so);
+    } else {
+        sel = codes[((aux0 >> (8 * l)) & 255) * S] | (TABLE ? signs[s * S] : iq2_sign_nibbles(s));
+    }
+    *lo = prmt(pos, IQ2_PRMT_NEG, sel);
+    *hi = prmt(pos, IQ2_PRMT_NEG, sel >> 16);
 }
 
 // Whether the decode kernels' IQ2_XXS signs come from the 128-word table (1) or from shifts (0).
@@ -250,11 +259,11 @@ __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u
 // in aux1) with their signs applied, by iq2_xxs_entry, and its scale 2s + 1: the sub-block's dot
 // with any activations is sum_j dp4a(w[j], q8[j]) * scale.
 template <u32 S = 1>
-__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32* tab, int* w) {
+__device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32* tab, int* w, u32 pos = IQ2_PRMT_POS) {
 #pragma unroll
     for (u32 l = 0; l < 4; l++) {
         u32 lo, hi;
-        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0), S>(aux0, aux1, l, tab, tab + 256 * S, &lo, &hi);
+        iq2_xxs_entry<(MOE_IQ2_SIGN_TABLE != 0), S>(aux0, aux1, l, tab, tab + 256 * S, &lo, &hi, pos);
         w[2 * l] = (int)lo;
         w[2 * l + 1] = (int)hi;
     }
@@ -264,10 +273,10 @@ __device__ __forceinline__ int iq2_xxs_sub_weights(u32 aux0, u32 aux1, const u32
 // An IQ2_XXS sub-block (32 values) dotted with its 32 activation bytes qa, qb. The integer sum is
 // exact in any order.
 template <u32 S = 1>
-__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u32* tab) {
+__device__ __forceinline__ int iq2_xxs_sub(u32 aux0, u32 aux1, int4 qa, int4 qb, const u32* tab, u32 pos = IQ2_PRMT_POS) {
     const int q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
     int w[8];
-    const int scale = iq2_xxs_sub_weights<S>(aux0, aux1, tab, w);
+    const int scale = iq2_xxs_sub_weights<S>(aux0, aux1, tab, w, pos);
     int sumi = 0;
 #pragma unroll
     for (u32 j = 0; j < 8; j++) sumi = __dp4a(w[j], q8[j], sumi);
@@ -341,10 +350,11 @@ __device__ __forceinline__ ActPart load_act_part(const BlockQ8K* y, u32 p) {
 // q8 sums (Q2_K / Q4_K). S: the IQ2_XXS tables' copies (iq2_xxs_entry).
 template <u32 TY, u32 S = 1>
 __device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a, u32 p, const u32* tab, int* isum,
-                                          int* summ) {
+                                          int* summ, u32 pos = IQ2_PRMT_POS) {
     const u32 wv[4] = {(u32)w.q.x, (u32)w.q.y, (u32)w.q.z, (u32)w.q.w};
     if (TY == 16) {
-        *isum = iq2_xxs_sub<S>(wv[0], wv[1], a.q[0], a.q[1], tab) + iq2_xxs_sub<S>(wv[2], wv[3], a.q[2], a.q[3], tab);
+        *isum = iq2_xxs_sub<S>(wv[0], wv[1], a.q[0], a.q[1], tab, pos) +
+                iq2_xxs_sub<S>(wv[2], wv[3], a.q[2], a.q[3], tab, pos);
         *summ = 0;
     } else if (TY == 10) {
         const u32 h = p & 1;
@@ -610,8 +620,9 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, MoeGateUpArgs a) {
 #define MOE_GU_MIN_BLOCKS 3
 #endif
 // Copies of the decode tables (iq2_nibble_tables_copies): 1, or 16 (24 KB) to spread the lookups
-// over the banks. NOT yet measured on a GPU (exact in scripts/moe-emulate); to measure:
-// DS4_CUDA_DEFINES="MOE_IQ2_TAB_COPIES=16".
+// over the banks (DS4_CUDA_DEFINES="MOE_IQ2_TAB_COPIES=16"). Measured slower on the H100: bank
+// conflicts 1.57M -> 0.80M a launch, but 13% more instructions, 27.7 -> 29.3 us (ncu); flash-4l
+// 1129 -> 1115 tok/s. The shared-memory pipe is not what binds this kernel.
 #ifndef MOE_IQ2_TAB_COPIES
 #define MOE_IQ2_TAB_COPIES 1
 #endif
@@ -630,6 +641,10 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
     ds4_wait_predecessor();
     typedef Layout<16> Lay;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = lane % Lay::L;
+    // The decode's positive bytes held in a register rather than copied in before each permute
+    // (a value that differs per thread is not rematerialized). Byte 3 is never selected: the
+    // codes are 0 to 2.
+    const u32 pos = IQ2_PRMT_POS | threadIdx.x << 24;
     const u32 per_slot = gridDim.x / a.n_used, slot = blockIdx.x / per_slot;
     const u32 tasks = a.ff / MOE_ROWS_PER_WARP, stride = per_slot * (blockDim.x >> 5);
     const u32 nb = a.in_dim / 256, passes = (nb + Lay::BPP - 1) / Lay::BPP;
@@ -672,7 +687,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
 #pragma unroll
         for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
             int s = 0, m = 0;
-            if (b < nb) part_sums<16, S>(cur[k], act, part, tab, &s, &m);
+            if (b < nb) part_sums<16, S>(cur[k], act, part, tab, &s, &m, pos);
 #pragma unroll
             for (u32 o = 1; o < Lay::L; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             if (part == 0 && b < nb) is[k][b] = s;

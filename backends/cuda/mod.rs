@@ -425,7 +425,7 @@ mod imp {
 
     /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, any
     /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g.
-    /// `MOE_GATE_UP_PASSES=2`; the kernels give each a default), the header generated from the
+    /// `MOE_GATE_UP_PASSES=2`, separated by spaces or commas; the kernels give each a default), the header generated from the
     /// Rust definitions (StepParams, argument structs, numerics constants), then the files.
     pub fn kernel_source(layout: BlockLayout, rows: KernelRows) -> String {
         let native = (layout == BlockLayout::Native) as u32;
@@ -449,7 +449,8 @@ mod imp {
         };
         let tuning: String = std::env::var("DS4_CUDA_DEFINES")
             .unwrap_or_default()
-            .split_whitespace()
+            .split(|c: char| c.is_whitespace() || c == ',')
+            .filter(|d| !d.is_empty())
             .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
             .collect();
         // The decode attention's split shape, which plan.rs sizes its grids and scratch by.
