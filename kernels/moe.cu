@@ -229,7 +229,8 @@ __device__ __forceinline__ void iq2_nibble_tables(const u64* grid, u32* codes, u
 
 // Grid entry l of an IQ2_XXS sub-block (words aux0, aux1) with its signs, the bytes iq2_xxs_sub
 // dots: weights 0-3 in lo, 4-7 in hi. With S > 1 the tables hold S copies of each word side by
-// side (iq2_tab_copies) and `codes`, `signs` point at this lane's copy.
+// side (iq2_tab_copies) and `codes`, `signs` point at this lane's copy. `pos` is IQ2_PRMT_POS,
+// with any byte 3 (never selected).
 template <bool TABLE, u32 S = 1>
 __device__ __forceinline__ void iq2_xxs_entry(u32 aux0, u32 aux1, u32 l, const u32* codes, const u32* signs, u32* lo,
                                               u32* hi, u32 pos = IQ2_PRMT_POS) {

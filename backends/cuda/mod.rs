@@ -425,8 +425,9 @@ mod imp {
 
     /// The full kernel source, as NVRTC compiles it: the block layout the kernels read, any
     /// tuning defines from `DS4_CUDA_DEFINES` (for measuring variants, e.g.
-    /// `MOE_GATE_UP_PASSES=2`, separated by spaces or commas; the kernels give each a default), the header generated from the
-    /// Rust definitions (StepParams, argument structs, numerics constants), then the files.
+    /// `MOE_GATE_UP_PASSES=2`, separated by spaces or commas; the kernels give each a default),
+    /// the header generated from the Rust definitions (StepParams, argument structs, numerics
+    /// constants), then the files.
     pub fn kernel_source(layout: BlockLayout, rows: KernelRows) -> String {
         let native = (layout == BlockLayout::Native) as u32;
         let chunk = (rows == KernelRows::Chunk) as u32;
