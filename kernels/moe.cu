@@ -460,8 +460,11 @@ template <u32 TY> __device__ __forceinline__ u32 row_first_scales(const ExpertRo
 // The dot of one row from its block sums, in the canonical order: lane l takes the term of block
 // c + l of each 32-block chunk, the butterfly reduces the chunk, chunk sums add in order from +0.
 // Every lane gets the result. `first` is the lane's row_first_scales.
-template <u32 TY>
-__device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int* is, const int* sm, u32 first) {
+// `yd(b)` gives activation block b's scale (row_total reads it from y; a kernel that staged the
+// activations in shared memory gives its copy).
+template <u32 TY, class YD>
+__device__ __forceinline__ float row_total_by(const u8* rest, YD yd_of, u32 nb, const int* is, const int* sm,
+                                              u32 first) {
     const u32 lane = threadIdx.x & 31;
     float total = 0.0f;
     for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
@@ -469,7 +472,7 @@ __device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int*
         const u32 b = c + lane;
         if (b < nb) {
             const u32 sc = c == 0 ? first : block_scales<TY>(rest, b);
-            const float yd = y[b].d;
+            const float yd = yd_of(b);
             if (TY == 16) {
                 acc += (h2f((u16)sc) * yd) * (float)is[b];
             } else {
@@ -481,6 +484,10 @@ __device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int*
     }
     if (TY == 16) total = 0.125f * total;
     return total;
+}
+template <u32 TY>
+__device__ float row_total(const u8* rest, const BlockQ8K* y, u32 nb, const int* is, const int* sm, u32 first) {
+    return row_total_by<TY>(rest, [&](u32 b) { return y[b].d; }, nb, is, sm, first);
 }
 
 // The IQ2_XXS decode tables in shared memory (iq2_nibble_tables: the 256 grid entries' codes, then
@@ -627,6 +634,19 @@ extern "C" __global__ void moe_gate_up(DS4_ARGS, MoeGateUpArgs a) {
 #ifndef MOE_IQ2_TAB_COPIES
 #define MOE_IQ2_TAB_COPIES 1
 #endif
+// Whether the block copies the activations' Q8_K into shared memory once (after the first pass's
+// weight loads are issued), so that each pass reads them by LDS instead of a global load it waits
+// on at once (1), or reads them from global memory each pass (0).
+#ifndef MOE_GU_ACT_SHARED
+#define MOE_GU_ACT_SHARED 1
+#endif
+
+// The activations' quants as moe_gate_up_iq2_xxs stages them: block b's 16-byte piece (chunk i of
+// part p, load_act_part's a.q[i]) at int4 b * 16 + ((i + b) & 3) * 4 + p, so that the 8 lanes of a
+// quarter warp (two neighbouring blocks, four parts) read 8 different 16-byte bank groups.
+__device__ __forceinline__ u32 act_sh_index(u32 b, u32 i, u32 p) {
+    return b * 16 + ((i + b) & 3) * 4 + p;
+}
 
 extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up_iq2_xxs(DS4_ARGS, MoeGateUpArgs a) {
     DS4_GUARD_EARLY;
@@ -667,6 +687,16 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
         for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++)
             if (lane / Lay::L < nb) cur[k] = load_weight_part<16>(row_of(t, k), lane / Lay::L, part);
     }
+#if MOE_GU_ACT_SHARED
+    __shared__ int4 act_q[MOE_MAX_BLOCKS * 16];
+    __shared__ float act_d[MOE_MAX_BLOCKS];
+    for (u32 j = threadIdx.x; j < nb * 16; j += blockDim.x) {
+        const u32 b = j / 16, q = j % 16;
+        act_q[act_sh_index(b, q % 4, q / 4)] = *(const int4*)(a.xq[b].qs + 16 * q);
+    }
+    for (u32 b = threadIdx.x; b < nb; b += blockDim.x) act_d[b] = a.xq[b].d;
+    __syncthreads();
+#endif
     while (t < tasks) {
         const bool task_end = p + 1 == passes;
         const u32 nt = task_end ? t + stride : t, np = task_end ? 0 : p + 1;
@@ -684,7 +714,14 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
                 if (nbk < nb) nxt[k] = load_weight_part<16>(row_of(nt, k), nbk, part);
         }
         ActPart act;
+#if MOE_GU_ACT_SHARED
+        if (b < nb) {
+#pragma unroll
+            for (u32 i = 0; i < 4; i++) act.q[i] = act_q[act_sh_index(b, i, part)];
+        }
+#else
         if (b < nb) act = load_act_part<16>(a.xq + b, part);
+#endif
 #pragma unroll
         for (int k = 0; k < 2 * MOE_ROWS_PER_WARP; k++) {
             int s = 0, m = 0;
@@ -695,11 +732,16 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
         }
         if (task_end) {
             __syncwarp();
+#if MOE_GU_ACT_SHARED
+            const auto yd = [&](u32 b) { return act_d[b]; };
+#else
+            const auto yd = [&](u32 b) { return a.xq[b].d; };
+#endif
 #pragma unroll
             for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
-                const float g = row_total<16>(row_of(t, 2 * k).rest, a.xq, nb, is[2 * k], is[2 * k], first[2 * k]);
+                const float g = row_total_by<16>(row_of(t, 2 * k).rest, yd, nb, is[2 * k], is[2 * k], first[2 * k]);
                 const float u =
-                    row_total<16>(row_of(t, 2 * k + 1).rest, a.xq, nb, is[2 * k + 1], is[2 * k + 1], first[2 * k + 1]);
+                    row_total_by<16>(row_of(t, 2 * k + 1).rest, yd, nb, is[2 * k + 1], is[2 * k + 1], first[2 * k + 1]);
                 if (lane == 0)
                     a.mid[(u64)slot * a.ff + t * MOE_ROWS_PER_WARP + k] = swiglu_clamped(g, u, a.clamp) * a.weights[slot];
             }
@@ -716,7 +758,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
 // out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per two
 // rows, two slots' rows loaded together.
 template <u32 TY>
-__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u32* tab, u32 r0,
+__device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const BlockQ8K* midq, const u32* tab, u32 r0,
                                               int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
     float acc[MOE_ROWS_PER_WARP];
@@ -728,7 +770,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u32* t
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             const u32 slot = s0 + g;
-            ys[g] = a.midq + (u64)min(slot, a.n_used - 1) * nb;
+            ys[g] = midq + (u64)min(slot, a.n_used - 1) * nb;
             const u64 e = slot < a.n_used ? (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1) : 0;
 #pragma unroll
             for (int k = 0; k < MOE_ROWS_PER_WARP; k++) {
@@ -755,17 +797,35 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const u32* t
         if ((threadIdx.x & 31) == 0 && r0 + k < a.out_dim) a.out[r0 + k] = acc[k];
 }
 
+// Activation blocks (all slots' mid Q8_K) that moe_down copies into shared memory before its rows
+// when they fit (0: every warp reads them from global memory, through L1). Each warp reads every
+// slot's activations for its two rows: about twice the bytes of its weights.
+#ifndef MOE_DOWN_ACT_SHARED
+#define MOE_DOWN_ACT_SHARED 0
+#endif
+
 extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     const u32* tab = iq2_tab(a.grid, a.down_ty == 16);
+    const BlockQ8K* midq = a.midq;
+#if MOE_DOWN_ACT_SHARED
+    __shared__ BlockQ8K mid_sh[MOE_DOWN_ACT_SHARED];
+    const u32 n = a.n_used * (a.ff / 256);
+    if (n <= MOE_DOWN_ACT_SHARED) {
+        constexpr u32 W = sizeof(BlockQ8K) / 16;
+        for (u32 j = threadIdx.x; j < n * W; j += blockDim.x) ((int4*)mid_sh)[j] = ((const int4*)a.midq)[j];
+        __syncthreads();
+        midq = mid_sh;
+    }
+#endif
     const u32 warp = threadIdx.x >> 5;
     const u32 r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * MOE_ROWS_PER_WARP;
     if (r0 >= a.out_dim) return;
-    if (a.down_ty == 16) moe_down_rows<16>(a, tab, r0, is_sh[warp], sm_sh[warp]);
-    else if (a.down_ty == 10) moe_down_rows<10>(a, tab, r0, is_sh[warp], sm_sh[warp]);
-    else moe_down_rows<12>(a, tab, r0, is_sh[warp], sm_sh[warp]);
+    if (a.down_ty == 16) moe_down_rows<16>(a, midq, tab, r0, is_sh[warp], sm_sh[warp]);
+    else if (a.down_ty == 10) moe_down_rows<10>(a, midq, tab, r0, is_sh[warp], sm_sh[warp]);
+    else moe_down_rows<12>(a, midq, tab, r0, is_sh[warp], sm_sh[warp]);
 }
 
 #if DS4_CHUNK_ROWS
