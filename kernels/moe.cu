@@ -755,45 +755,12 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
     if (a.midq) moe_gate_up_mid_q8_k(a);
 }
 
-// Whether moe_down's warps first ask L2 for every slot's rows (quants and scales), so that the
-// slot pairs after the first find them in L2 instead of going to DRAM one pair after another.
-#ifndef MOE_DOWN_PREFETCH
-#define MOE_DOWN_PREFETCH 0
-#endif
-
-// Asks L2 for the 128-byte line at p (no register waits for it).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
-template <u32 TY> __device__ __forceinline__ void moe_down_prefetch(const MoeDownArgs& a, u32 r0) {
-    typedef Layout<TY> Lay;
-    const u32 lane = threadIdx.x & 31, nb = a.ff / 256;
-    const u32 qb = nb * Lay::QS, rb = nb * Lay::RS;
-    // Lines a row's quants and rest can touch (one more where they do not start on a line).
-    const u32 ql = (qb + 127) / 128 + 1, rl = (rb + 127) / 128 + 1, per_row = ql + rl;
-    const u32 n = a.n_used * MOE_ROWS_PER_WARP * per_row;
-    for (u32 i = lane; i < n; i += 32) {
-        const u32 row = i / per_row, j = i % per_row, slot = row / MOE_ROWS_PER_WARP;
-        const u32 r = r0 + row % MOE_ROWS_PER_WARP;
-        if (r >= a.out_dim) continue;
-        const u64 e = (u64)min(max(a.selected[slot], 0), (int)a.n_expert - 1);
-        const ExpertRow er = expert_row(a.down, TY, e, (u64)r * nb);
-        const u8* base = j < ql ? er.qs : er.rest;
-        const u64 line = ((u64)base & ~(u64)127) + 128 * (u64)(j < ql ? j : j - ql);
-        if (line < (u64)base + (j < ql ? qb : rb)) prefetch_l2((const void*)line);
-    }
-}
-
 // out[r] = sum over slots (in order, from +0) of down_e(row r) · midq[slot]; one warp per two
 // rows, two slots' rows loaded together.
 template <u32 TY>
 __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const BlockQ8K* midq, const u32* tab, u32 r0,
                                               int (*is)[MOE_MAX_BLOCKS], int (*sm)[MOE_MAX_BLOCKS]) {
     const u32 nb = a.ff / 256;
-    if (MOE_DOWN_PREFETCH) moe_down_prefetch<TY>(a, r0);
     float acc[MOE_ROWS_PER_WARP];
 #pragma unroll
     for (int k = 0; k < MOE_ROWS_PER_WARP; k++) acc[k] = 0.0f;
@@ -1548,6 +1515,11 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_down_m
 __device__ __forceinline__ uint2 moe2_scales8(const u8* p) {
     return make_uint2(__ldg((const u32*)p), __ldg((const u32*)(p + 4)));
 }
+__device__ __forceinline__ void moe2_prefetch_l2(const void* p) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
 
 // x rotated right by n (0..31).
 __device__ __forceinline__ u32 moe2_rotr(u32 x, u32 n) {
@@ -1822,7 +1794,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
         gut_stage(x0, x1, 0, gut_smem + GUT_ACT_OFF, (float*)(gut_smem + GUT_ACTD_OFF));
         u32 Lp = 0;
         for (u32 k = 0; k < MOE2_L2_AHEAD; k++) {
-            if (t < 2 && Lp < end) prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
+            if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
             Lp = Lp < end ? gut_next(Lp, step, nb, end) : end;
         }
         int4 qg = __ldg((const int4*)(gate.qs + 16 * t)), qu = __ldg((const int4*)(up.qs + 16 * t));
@@ -1858,7 +1830,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
                 hu = __ldg((const u16*)up.rest + bn);
             }
             if (Lp < end) {
-                if (t < 2) prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
+                if (t < 2) moe2_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
                 Lp = gut_next(Lp, step, nb, end);
             }
             // The pass's tile count as a constant of the code (uniform).
@@ -2102,7 +2074,7 @@ __device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& 
     const u32 Ln2 = *Ln < lv.end ? tile_next_leaf(*Ln, lv) : lv.end;
     if (live) {
         if (*Ln < lv.end) nxt = tile_weights(wa, wb, tile_leaf_block(*Ln));
-        if ((threadIdx.x & 3) < 2 && Ln2 < lv.end) prefetch_l2(pf + (u64)tile_leaf_block(Ln2) * 64);
+        if ((threadIdx.x & 3) < 2 && Ln2 < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln2) * 64);
         tile_leaf<MOE_TILE_T, LO>(tiles, cur, xs, xd, *L, lv.nb, pend, total);
     }
     *L = *Ln;
@@ -2135,7 +2107,7 @@ __device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const Mo
         TileWeights w0 = {};
         if (live) {
             w0 = tile_weights(wa, wb, 0);
-            if (t < 2 && Ln < lv.end) prefetch_l2(pf + (u64)tile_leaf_block(Ln) * 64);
+            if (t < 2 && Ln < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln) * 64);
         }
         float total[4 * MOE_TILE_T], pend[5][4 * MOE_TILE_T];
 #pragma unroll
