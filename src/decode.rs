@@ -169,7 +169,14 @@ pub fn record(model: &Model, caps: Caps, rows: u32, chunk: u32) -> Result<Progra
             comp = Some(cache);
             comp_rows = Bound { kind: BoundKind::CompRows { ratio }, cap };
         }
-        if let (AttentionKind::Ratio4Indexed, Some(ix)) = (kind, &lw.indexer) {
+        // The indexer (its compressor lane, query, scores and top-k) only matters once a layer
+        // holds more compressed rows than it selects; a context with no more rows than top_k
+        // never gets there (attention then reads every row), so it is not recorded at all.
+        let indexer = match (kind, &lw.indexer) {
+            (AttentionKind::Ratio4Indexed, Some(ix)) if caps.comp_cap(ratio) > cfg.indexer_top_k as u32 => Some(ix),
+            _ => None,
+        };
+        if let Some(ix) = indexer {
             let ihd = cfg.indexer_head_dim as u32;
             let n_ih = cfg.n_indexer_head as u32;
             let cap = caps.comp_cap(ratio);

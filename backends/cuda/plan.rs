@@ -2452,7 +2452,8 @@ mod tests {
     #[test]
     fn flash_fuses_its_small_ops() {
         let model = synth::device_model(&Preset::flash(), 1).unwrap();
-        let program = record_token(&model, Caps { ctx: 2048 }).unwrap();
+        // 4096: the indexer (top-k 512 of ctx / 4 rows) is recorded; at 2048 it never selects.
+        let program = record_token(&model, Caps { ctx: 4096 }).unwrap();
         let (fused, single) = (plan(&program, true, false).unwrap(), plan(&program, false, false).unwrap());
         let count = |p: &Plan, k: &str| p.launches.iter().filter(|l| l.kernel == k).count();
         let layers = 43;
@@ -2507,6 +2508,17 @@ mod tests {
         println!("{by_kernel:?}");
         println!("Flash: {} launches fused, {} one per op", fused.launches.len(), single.launches.len());
         assert!(fused.launches.len() < single.launches.len() * 2 / 3, "{} launches", fused.launches.len());
+
+        // At ctx 2048 a ratio-4 layer holds at most top_k compressed rows: the indexer's compressor
+        // lane and its five launches are not recorded, and nothing else changes.
+        let short = plan(&record_token(&model, Caps { ctx: 2048 }).unwrap(), true, false).unwrap();
+        assert!(short.launches.iter().all(|l| !l.kernel.starts_with("indexer")));
+        let comp_lanes = count(&fused, "mat_vec_f16_split_comp") - count(&short, "mat_vec_f16_split_comp");
+        assert_eq!(comp_lanes, indexers);
+        let indexer_launches = fused.launches.len() - short.launches.len() - comp_lanes;
+        let names = "query and weights projections, query finish, scores, top-k";
+        assert_eq!(indexer_launches, 5 * indexers, "{names}");
+        println!("Flash at ctx 2048: {} launches", short.launches.len());
     }
 
     /// kernels/moe.cu decodes IQ2_XXS grid bytes as codes 0, 1, 2 for 8, 25, 43 (iq2_nibble_tables):
