@@ -783,7 +783,12 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
 // (a ticket per head) normalizes and rotates the head once all its rows are stored. The head goes
 // through shared memory: its rows were stored by other blocks (read past L1).
 #define QKV_MAX_HEAD_DIM 1024
-extern "C" __global__ void mat_vec_q8_0_qkv(DS4_ARGS, MatVecQ80QkvArgs a) {
+// At 4 blocks of 256 an SM, as mat_vec_q8_0 (64 registers): unbounded, the tail took it to 66, and
+// 3 blocks an SM.
+#ifndef QKV_MIN_BLOCKS
+#define QKV_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(256, QKV_MIN_BLOCKS) mat_vec_q8_0_qkv(DS4_ARGS, MatVecQ80QkvArgs a) {
     DS4_GUARD_EARLY;
     const u32 hd = a.head_dim, rows = a.n_head * hd;
     const float* trow = qkv_rope_row(P, a.table, a.n_rot);
