@@ -116,3 +116,23 @@ fn step_refuses_positions_and_tokens_out_of_range() {
     let e = exe.step(&StepParams::new(n_vocab, 0)).unwrap_err().to_string();
     assert!(e.contains(&format!("token id {n_vocab}")) && e.contains("vocabulary"), "{e}");
 }
+
+/// A context in which no layer can hold more compressed rows than the indexer selects (tiny-a:
+/// ratio 4, top-k 4, ctx 16) records no indexer at all; its logits equal, bit for bit, those of a
+/// longer context whose program has the indexer, at every position both reach.
+#[test]
+fn a_context_too_short_for_the_indexer_records_none_and_decodes_the_same() {
+    let backend = CpuBackend::new(0).unwrap();
+    let mut short = Session::new(tiny_a(), &backend, 16).unwrap();
+    let mut long = Session::new(tiny_a(), &backend, 64).unwrap();
+    let has_indexer = |s: &Session| {
+        s.program().steps().iter().any(|st| st.cond.is_some_and(|c| matches!(c, Cond::IndexerActive { .. })))
+    };
+    assert!(!has_indexer(&short) && has_indexer(&long));
+    assert!(short.program().steps().len() < long.program().steps().len());
+    let tokens = &golden_tokens()[..16];
+    let (a, b) = (run(&mut short, tokens), run(&mut long, tokens));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()), "position {i}");
+    }
+}
