@@ -804,13 +804,7 @@ __device__ __forceinline__ void moe_down_rows(const MoeDownArgs& a, const BlockQ
 #define MOE_DOWN_ACT_SHARED 0
 #endif
 
-// MOE_DOWN_MIN_BLOCKS=3 caps the registers for 3 blocks an SM (ptxas: 128 -> 80, 44 bytes of
-// spill stores; 2 blocks an SM at 128 leave 23% of the warps active): not yet measured. Unset, no bound.
-#ifdef MOE_DOWN_MIN_BLOCKS
-extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down(DS4_ARGS, MoeDownArgs a) {
-#else
 extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
-#endif
     DS4_GUARD;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
     __shared__ int sm_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
