@@ -1702,13 +1702,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial
     attention_partial_impl<false>(P, a);
 }
 
-// ATTN_COMBINE_MIN_BLOCKS: blocks an SM that the register count must allow (unset: 139 registers
-// against attention_partial's 103).
-#ifdef ATTN_COMBINE_MIN_BLOCKS
-extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS, ATTN_COMBINE_MIN_BLOCKS) attention_partial_combine(DS4_ARGS, AttentionPartialCombineArgs a) {
-#else
 extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial_combine(DS4_ARGS, AttentionPartialCombineArgs a) {
-#endif
     DS4_GUARD;
     attention_partial_impl<true>(P, a);
 }
