@@ -703,6 +703,46 @@ impl Writer {
         out
     }
 
+    /// The image [`Writer::to_bytes`] would make, tensor `i`'s bytes given by `data(i)`, drawn in
+    /// parallel straight into one allocation of the image's size (the tensors' sizes come from
+    /// their types and dims). A 9.5 GB preset took 45 s and twice its size in memory through
+    /// `to_bytes`; this holds the image and the tensors being drawn.
+    pub fn to_bytes_parallel(&self, data: impl Fn(usize) -> Vec<u8> + Sync) -> Result<Vec<u8>, String> {
+        use rayon::prelude::*;
+        let mut sizes = Vec::with_capacity(self.tensors.len());
+        for (name, ty, dims, _) in &self.tensors {
+            sizes.push(tensor_bytes(name, *ty, dims).map_err(|e| format!("tensor '{name}': {e:?}"))?);
+        }
+        let (header, offsets) = self.header(&sizes);
+        let align = self.alignment.max(1);
+        let end = match (offsets.last(), sizes.last()) {
+            (Some(&o), Some(&n)) => align_up(o.saturating_add(n), align).ok_or("image too large")?,
+            _ => 0,
+        };
+        let total = usize::try_from(header.len() as u64 + end).map_err(|_| "image too large")?;
+        let mut image = vec![0u8; total];
+        let (head, mut rest) = image.split_at_mut(header.len());
+        head.copy_from_slice(&header);
+        let mut slots = Vec::with_capacity(sizes.len());
+        let mut pos = 0u64;
+        for (i, (&off, &size)) in offsets.iter().zip(&sizes).enumerate() {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut((off - pos) as usize);
+            let (slot, tail) = tail.split_at_mut(size as usize);
+            slots.push((i, slot));
+            rest = tail;
+            pos = off + size;
+        }
+        slots.into_par_iter().try_for_each(|(i, slot)| {
+            let bytes = data(i);
+            if bytes.len() != slot.len() {
+                return Err(format!("tensor '{}': {} bytes given for {}", self.tensors[i].0, bytes.len(), slot.len()));
+            }
+            slot.copy_from_slice(&bytes);
+            Ok(())
+        })?;
+        Ok(image)
+    }
+
     /// Writes the image [`Writer::to_bytes`] would make to `out` one tensor at a time: the
     /// tensors' sizes come from their types and dims, and `data(i)` gives tensor `i`'s bytes when
     /// they are written (so a model larger than memory can be written). Returns the length.
