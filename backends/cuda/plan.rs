@@ -960,7 +960,8 @@ impl<'a> Builder<'a> {
     /// At the q projection (a Q8_0 matvec `a` into `q`): when the next op normalizes the q heads
     /// in place and qkv_finish's run follows, one `mat_vec_q8_0_qkv` launch does all of it (block
     /// 0 the kv row, each head's last block its norm and RoPE). Only with `DS4_CUDA_QKV=fused`:
-    /// measured slower together with the fused attention combine (BENCHMARKS.md).
+    /// measured slower (BENCHMARKS.md), at 66 registers then (3 blocks an SM where `mat_vec_q8_0`
+    /// runs 4); bounded to 64 since, not yet timed.
     fn try_q8_qkv(&mut self, a: &MatVecQ80Args, q: Buf) -> Result<bool, String> {
         if !self.fuse || self.program.rows() != 1 || a.rows2 != 0 || !env_is("DS4_CUDA_QKV", "fused") {
             return Ok(false);
