@@ -52,6 +52,11 @@ impl Caps {
     pub fn comp_cap(&self, ratio: u32) -> u32 {
         (self.ctx / ratio).max(1)
     }
+    /// Whether an indexer picking `top_k` of a ratio-`ratio` layer's compressed rows can ever pick
+    /// fewer than all of them within the context; if not, it is not recorded.
+    pub fn records_indexer(&self, ratio: u32, top_k: u32) -> bool {
+        self.comp_cap(ratio) > top_k
+    }
 }
 
 /// Scratch buffers shared by all layers, created once per (name, length).
@@ -173,7 +178,9 @@ pub fn record(model: &Model, caps: Caps, rows: u32, chunk: u32) -> Result<Progra
         // holds more compressed rows than it selects; a context with no more rows than top_k
         // never gets there (attention then reads every row), so it is not recorded at all.
         let indexer = match (kind, &lw.indexer) {
-            (AttentionKind::Ratio4Indexed, Some(ix)) if caps.comp_cap(ratio) > cfg.indexer_top_k as u32 => Some(ix),
+            (AttentionKind::Ratio4Indexed, Some(ix)) if caps.records_indexer(ratio, cfg.indexer_top_k as u32) => {
+                Some(ix)
+            }
             _ => None,
         };
         if let Some(ix) = indexer {

@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use ds4::backend::{Backend, BackendKind};
 use ds4::engine::{self, open_gguf, BackendChoice, Engine, Event, GenParams, ModelSource, EMBEDDED_SEED};
-use ds4::model::Model;
+use ds4::model::{IndexerReads, Model};
 use ds4::numerics::Numerics;
 use ds4::sample::{self as sampling, SamplerConfig};
 use ds4::session::Session;
@@ -1045,9 +1045,17 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     for w in session.take_warnings() {
         eprintln!("ds4: {w}");
     }
-    // The indexer's weights count once a ratio-4 layer has more than top_k compressed rows.
-    let indexer_active = (session.pos() + 1) / 4 > cfg.indexer_top_k;
-    let bytes = loaded.model.weights.decode_bytes_at(cfg, indexer_active) as f64;
+    // The indexer's compressor runs when it is recorded, its query once a ratio-4 layer has
+    // more than top_k compressed rows.
+    let caps = ds4::decode::Caps { ctx: session.ctx() as u32 };
+    let indexer = if !caps.records_indexer(4, cfg.indexer_top_k as u32) {
+        IndexerReads::None
+    } else if (session.pos() + 1) / 4 > cfg.indexer_top_k {
+        IndexerReads::All
+    } else {
+        IndexerReads::Compressor
+    };
+    let bytes = loaded.model.weights.decode_bytes_at(cfg, indexer) as f64;
     let tps = rate(a.tokens, decode_time);
     let ms_per_token = 1e3 * decode_time.as_secs_f64() / a.tokens as f64;
     out!("model      {}", loaded.source);
@@ -1074,7 +1082,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     out!(
         "weights    {:.1} MB read per token{}, {:.2} GB/s effective",
         bytes / 1e6,
-        if indexer_active { " (indexer active)" } else { " (indexer not active yet)" },
+        match indexer {
+            IndexerReads::All => " (indexer active)",
+            IndexerReads::Compressor => " (indexer not active yet)",
+            IndexerReads::None => " (no indexer within this context)",
+        },
         bytes * tps / 1e9
     );
     if let Some(copy) = session.executable().copy_bandwidth() {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use config::{AttentionKind, Config, ConfigError, RopeParams};
-pub use weights::{LayerWeights, WeightError, Weights};
+pub use weights::{IndexerReads, LayerWeights, WeightError, Weights};
 
 use crate::gguf::{self, GgufError, TensorInfo};
 

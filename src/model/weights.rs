@@ -286,16 +286,21 @@ impl Weights {
     /// Weight bytes one decode token reads: every dense weight, one embedding row, one hash-table
     /// row per hash layer, and `n_expert_used` of the `n_expert` routed experts per layer.
     pub fn decode_bytes_per_token(&self, cfg: &Config) -> u64 {
-        self.decode_bytes_at(cfg, true)
+        self.decode_bytes_at(cfg, IndexerReads::All)
     }
 
-    /// Weight bytes one decode token reads; the indexer's query and projection weights count only
-    /// when `indexer_active` (a layer has more than `top_k` compressed rows: position 4·top_k on).
-    pub fn decode_bytes_at(&self, cfg: &Config, indexer_active: bool) -> u64 {
+    /// Weight bytes one decode token reads, with the indexer's weights as `indexer` says.
+    pub fn decode_bytes_at(&self, cfg: &Config, indexer: IndexerReads) -> u64 {
         let mut total = 0u64;
         for t in self.all() {
-            let indexer_query = t.name.ends_with("indexer.attn_q_b.weight") || t.name.ends_with("indexer.proj.weight");
-            if indexer_query && !indexer_active {
+            let query = t.name.ends_with("indexer.attn_q_b.weight") || t.name.ends_with("indexer.proj.weight");
+            let compressor = t.name.contains("indexer_compressor");
+            let skip = match indexer {
+                IndexerReads::None => query || compressor,
+                IndexerReads::Compressor => query,
+                IndexerReads::All => false,
+            };
+            if skip {
                 continue;
             }
             let is_expert = t.dims.len() == 3;
@@ -310,4 +315,15 @@ impl Weights {
         }
         total
     }
+}
+
+/// Which of the indexer's weights a decode token reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexerReads {
+    /// None: the context is too short for the indexer ever to select, so it is not recorded.
+    None,
+    /// Its compressor's: it is recorded but a layer does not yet hold more rows than it selects.
+    Compressor,
+    /// All of them: the query and weights projections run too.
+    All,
 }
