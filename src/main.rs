@@ -26,7 +26,7 @@ macro_rules! out {
 }
 
 #[derive(Parser)]
-#[command(name = "ds4", version, about = "A Rust runtime for DeepSeek V4 Flash GGUF files")]
+#[command(name = "ds4", version, about = "A Rust runtime for DeepSeek V4 Flash GGUF files", args_override_self = true)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
