@@ -1,6 +1,8 @@
 //! Records one DS4 decode token in ds4's order: the token head, then per layer the attention
 //! half and the FFN half, then the output head. The program covers every position up to the
-//! context capacity: emits and the indexer are predicated, spans are bounds.
+//! context capacity: emits and the indexer are predicated, spans are bounds. An indexer that
+//! could never select within the capacity (a layer never holds more compressed rows than its
+//! top-k) is not recorded at all.
 //!
 //! The same function records a session's **chunk program** (batched prefill): the same ops in
 //! the same order over scratch buffers with one row per token of the chunk (T rows, fixed when
