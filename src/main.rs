@@ -1045,10 +1045,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     for w in session.take_warnings() {
         eprintln!("ds4: {w}");
     }
-    // The indexer's compressor runs when it is recorded, its query once a ratio-4 layer has
-    // more than top_k compressed rows.
-    let caps = ds4::decode::Caps { ctx: session.ctx() as u32 };
-    let indexer = if !caps.records_indexer(4, cfg.indexer_top_k as u32) {
+    // The indexer's compressor runs when the program has an indexer, its query once a ratio-4
+    // layer has more than top_k compressed rows.
+    let recorded =
+        session.program().steps().iter().any(|s| matches!(s.cond, Some(ds4::recorder::Cond::IndexerActive { .. })));
+    let indexer = if !recorded {
         IndexerReads::None
     } else if (session.pos() + 1) / 4 > cfg.indexer_top_k {
         IndexerReads::All
