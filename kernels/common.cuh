@@ -6,7 +6,8 @@
 
 // A predicate packed by the host: kind (2 bits) | ratio (16 bits) << 2 | top_k (32 bits) << 18,
 // and bit 63 on a chunk program's launches: a row past the chunk's tokens (count 0) runs nothing.
-// kind 0: always; 1: a compressed row is emitted; 2: the indexer is active.
+// kind 0: always; 1: a compressed row is emitted; 2: the indexer is active; 3: never (a
+// measurement: plan.rs skip_for_measurement).
 __device__ __forceinline__ bool ds4_cond(const StepParams* P, u64 cond) {
     const u32 kind = (u32)(cond & 3);
     const u32 ratio = (u32)((cond >> 2) & 0xffff);
@@ -16,6 +17,7 @@ __device__ __forceinline__ bool ds4_cond(const StepParams* P, u64 cond) {
 #endif
     if (kind == 0) return true;
     if (kind == 1) return (P->pos + 1) % ratio == 0;
+    if (kind == 3) return false;
     return (P->pos + 1) / ratio > top_k;
 }
 

@@ -810,6 +810,11 @@ mod imp {
         fn default_prefill_chunk(&self) -> usize {
             DEFAULT_PREFILL_CHUNK
         }
+        fn describe(&self) -> Option<String> {
+            plan::skipped_for_measurement().map(|k| {
+                format!("the device, with DS4_CUDA_SKIP={k}: those kernels run nothing (a measurement): every output is wrong")
+            })
+        }
     }
 
     /// A launch with device addresses resolved: the kernel's argument struct as 8-byte words.

@@ -1877,7 +1877,32 @@ fn plan_with(
     if fuse {
         mark_side_branches(program, &mut plan.launches);
     }
+    skip_for_measurement(&mut plan.launches);
     Ok(plan)
+}
+
+/// `ds4_cond`'s kind 3: the launch runs nothing (it still waits for its predecessor).
+pub const COND_SKIP: u64 = 3;
+
+/// A measurement of what each kernel's work costs a token, not a mode to run: the launches of
+/// the kernels named in `DS4_CUDA_SKIP` (comma-separated) keep their place in the plan and the
+/// graph but return at their guard, so the token's time less theirs is the critical path without
+/// their work. Their outputs are wrong, and so are the logits; `ds4 bench` says so.
+fn skip_for_measurement(launches: &mut [Launch]) {
+    if let Some(names) = skipped_for_measurement() {
+        skip_kernels(launches, &names.split(',').map(str::trim).collect::<Vec<_>>());
+    }
+}
+
+fn skip_kernels(launches: &mut [Launch], names: &[&str]) {
+    for l in launches.iter_mut().filter(|l| names.contains(&l.kernel)) {
+        l.cond = (l.cond & !3) | COND_SKIP;
+    }
+}
+
+/// The kernels `DS4_CUDA_SKIP` names, when it is set: every result of this process is wrong.
+pub fn skipped_for_measurement() -> Option<String> {
+    std::env::var("DS4_CUDA_SKIP").ok().filter(|v| !v.trim().is_empty())
 }
 
 /// Two runs of ops that do not depend on each other go on two streams, so one's matvecs stream
@@ -2520,6 +2545,29 @@ mod tests {
         let names = "query and weights projections, query finish, scores, top-k";
         assert_eq!(indexer_launches, 5 * indexers, "{names}");
         println!("Flash at ctx 2048: {} launches", short.launches.len());
+    }
+
+    /// The measurement switch turns only the named kernels' launches off, keeping every launch
+    /// (the graph's shape) and the other bits of their predicates (a chunk's row count).
+    #[test]
+    fn skipping_a_kernel_keeps_the_launch_and_turns_it_off() {
+        let model = synth::device_model(&Preset::flash_4l(), 1).unwrap();
+        let program = record_token(&model, Caps { ctx: 4096 }).unwrap();
+        let base = plan(&program, true, false).unwrap();
+        let mut skipped = plan(&program, true, false).unwrap();
+        skip_kernels(&mut skipped.launches, &["hc_pre", "moe_down"]);
+        assert_eq!(base.launches.len(), skipped.launches.len());
+        let mut off = 0;
+        for (b, s) in base.launches.iter().zip(&skipped.launches) {
+            assert_eq!((b.kernel, &b.args, b.side), (s.kernel, &s.args, s.side));
+            if ["hc_pre", "moe_down"].contains(&b.kernel) {
+                assert_eq!((s.cond & 3, s.cond >> 2), (COND_SKIP, b.cond >> 2));
+                off += 1;
+            } else {
+                assert_eq!(s.cond, b.cond);
+            }
+        }
+        assert_eq!(off, 3 * 4, "flash-4l: two hc_pre and one moe_down a layer");
     }
 
     /// kernels/moe.cu decodes IQ2_XXS grid bytes as codes 0, 1, 2 for 8, 25, 43 (iq2_nibble_tables):
