@@ -1576,15 +1576,16 @@ impl<'a> Builder<'a> {
                     n_head,
                 };
                 // The split form's scores hold one chunk of the dot (head_dim <= 512).
-                if self.split_attention && head_dim as usize <= numerics::CHUNK {
-                    // Visible rows at most: the window's (not the ring's), and top_k compressed
-                    // rows once the indexer selects.
-                    let comp_vis = match (comp, selected) {
-                        (None, _) => 0,
-                        (Some(_), Some(_)) => comp_rows.cap.min(top_k),
-                        (Some(_), None) => comp_rows.cap,
-                    };
-                    self.attention_split(a, window.min(raw_rows.cap) + comp_vis);
+                // Visible rows at most: the window's (not the ring's), and top_k compressed rows
+                // once the indexer selects.
+                let comp_vis = match (comp, selected) {
+                    (None, _) => 0,
+                    (Some(_), Some(_)) => comp_rows.cap.min(top_k),
+                    (Some(_), None) => comp_rows.cap,
+                };
+                let max_rows = window.min(raw_rows.cap) + comp_vis;
+                if self.split_attention && head_dim as usize <= numerics::CHUNK && max_rows > single_attention_rows() {
+                    self.attention_split(a, max_rows);
                 } else {
                     self.launch(n_head, 1024, a);
                 }
@@ -1794,6 +1795,12 @@ pub fn cache_slot_bytes(tensors: &[(u64, u64); 3]) -> u64 {
 /// block per head (`attention`), to compare.
 fn split_attention() -> bool {
     !env_is("DS4_CUDA_ATTN_DECODE", "0")
+}
+
+/// A decode attention that can see at most this many rows runs as one launch (`attention`)
+/// rather than split (`DS4_CUDA_ATTN_SINGLE_ROWS`, to measure).
+fn single_attention_rows() -> u32 {
+    std::env::var("DS4_CUDA_ATTN_SINGLE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 pub fn plan(program: &Program, fuse: bool, expert_cache: bool) -> Result<Plan, String> {
