@@ -584,20 +584,6 @@ __device__ __forceinline__ void hc_pre_finish(const HcPreArgs& a, const float* m
     }
 }
 
-// A warp's (row, chunk) units: gw, gw + the group's warps, ... (HC_PRE_UNITS at most: a group of
-// fewer blocks, down to one, so that its tail needs no ticket from other blocks).
-#define HC_PRE_UNITS 8
-
-// A warp's unit: the chunk sum of row r's chunk at c times the scaled streams (`xc` at c), stored
-// as the row's partial; row 0's warps also store `flat`.
-__device__ __forceinline__ void hc_pre_unit(const HcPreArgs& a, const F16Chunk& w, const float* xc, float scale, u32 r, u32 c, u32 lane) {
-    const u32 n = a.hc_dim;
-    const float s = warp_sum(chunk_dot_f16_scaled(w, xc, scale, n - c, lane));
-    if (lane == 0) a.partial[r * a.n_chunks + c / DS4_CHUNK] = s;
-    if (r == 0)
-        for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = xc[i] * scale;
-}
-
 extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS, HcPreArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
@@ -605,9 +591,16 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 n = a.hc_dim, nc = a.n_chunks;
     const bool group_pre = blockIdx.x < a.blocks_pre;
     const u32 rows = group_pre ? 4 : a.mix_rows - 4;
-    const u32 group_blocks = group_pre ? a.blocks_pre : gridDim.x - a.blocks_pre;
-    const u32 gw0 = (group_pre ? blockIdx.x : blockIdx.x - a.blocks_pre) * HC_PRE_WARPS + warp;
-    const u32 stride = group_blocks * HC_PRE_WARPS, first_row = group_pre ? 0 : 4;
+    const u32 gw = (group_pre ? blockIdx.x : blockIdx.x - a.blocks_pre) * HC_PRE_WARPS + warp;
+    const bool live = gw < rows * nc;
+    const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
+    F16Chunk chunk;
+    if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
+    ds4_wait_predecessor();
+    float scale;
+    // The streams this warp's chunk reads: `x` itself, or (the HC post fused in front) the
+    // post's outputs as this block computes them.
+    const float* xc = a.x + c;
 #if !DS4_CHUNK_ROWS
     __shared__ __align__(16) float post_x[HC_PRE_WARPS][DS4_CHUNK];
     __shared__ float post_ss[64];
@@ -615,12 +608,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         // Every block computes the HC post of every chunk for the sums of squares (a warp per
         // 512 positions of all four streams; block 0 also stores the streams and the Add's sum),
         // then its warps their own chunk again into shared memory: the same values as hc_post's,
-        // so the same bits as the two launches. One unit a warp (plan.rs).
-        const bool live = gw0 < rows * nc;
-        const u32 r = first_row + (live ? gw0 / nc : 0), c = live ? (gw0 % nc) * DS4_CHUNK : 0;
-        F16Chunk chunk;
-        if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
-        ds4_wait_predecessor();
+        // so the same bits as the two launches.
         const HcPostArgs pa = {a.post_block, a.post_block_b, a.post_sum, a.post_residual, a.post_split, (float*)a.x,
                                nullptr,      a.n_embd,       4};
         const u32 nd = a.n_embd / DS4_CHUNK;
@@ -632,46 +620,26 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         }
         if (live) hc_post_chunk(pa, c / DS4_CHUNK, lane, false, post_x[warp]);
         __syncthreads();
-        const float scale = 1.0f / sqrtf(ordered_sum_lanes(post_ss, nc, lane) / (float)n + a.eps_flat);
-        if (live) hc_pre_unit(a, chunk, post_x[warp], scale, r, c, lane);
+        scale = 1.0f / sqrtf(ordered_sum_lanes(post_ss, nc, lane) / (float)n + a.eps_flat);
+        xc = post_x[warp];
     } else
 #endif
-    {
-        // The warp's units gw0, gw0 + stride, ...: every weight load issued before the wait.
-        F16Chunk chunks[HC_PRE_UNITS];
-#pragma unroll
-        for (u32 k = 0; k < HC_PRE_UNITS; k++) {
-            const u32 gw = gw0 + k * stride;
-            if (gw < rows * nc) {
-                const u32 r = first_row + gw / nc, c = (gw % nc) * DS4_CHUNK;
-                chunks[k] = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
-            }
-        }
-        ds4_wait_predecessor();
-        float scale;
-        if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
-        else scale = rms_scale_block(a.x, n, a.eps_flat);
-#pragma unroll
-        for (u32 k = 0; k < HC_PRE_UNITS; k++) {
-            const u32 gw = gw0 + k * stride;
-            if (gw < rows * nc) {
-                const u32 r = first_row + gw / nc, c = (gw % nc) * DS4_CHUNK;
-                hc_pre_unit(a, chunks[k], a.x + c, scale, r, c, lane);
-            }
-        }
+    if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
+    else scale = rms_scale_block(a.x, n, a.eps_flat);
+    if (live) {
+        const float s = warp_sum(chunk_dot_f16_scaled(chunk, xc, scale, n - c, lane));
+        if (lane == 0) a.partial[r * nc + c / DS4_CHUNK] = s;
+        if (r == 0)
+            for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = xc[i] * scale;
     }
+    __threadfence();
+    __syncthreads();
     const u32 ticket = a.ticket + (group_pre ? 0 : 1);
-    if (group_blocks == 1) {
-        // The group's one block: its writes are visible to its own threads after the barrier.
-        __syncthreads();
-    } else {
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(a.tickets + ticket, 1u) == group_blocks - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-    }
+    const u32 group_blocks = group_pre ? a.blocks_pre : gridDim.x - a.blocks_pre;
+    if (threadIdx.x == 0) last = atomicAdd(a.tickets + ticket, 1u) == group_blocks - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
     __shared__ float mix[32];
     if (!group_pre) {
         hc_pre_mix_rows(a, 4, rows, mix);

@@ -106,13 +106,6 @@ const Q8K_BLOCK_BYTES: usize = 304;
 const FUSE_NORM_Q8: bool = true;
 /// Warps per block of hc_pre (kernels/fused.cu HC_PRE_WARPS).
 pub(crate) const HC_PRE_WARPS: usize = 16;
-/// (row, chunk) units a warp of hc_pre takes at most (kernels/fused.cu HC_PRE_UNITS).
-const HC_PRE_UNITS: usize = 8;
-
-/// Whether hc_pre runs its pre gates' group in one block (`DS4_CUDA_HC_PRE_GROUP=one`, to measure).
-fn hc_pre_one_block() -> bool {
-    env_is("DS4_CUDA_HC_PRE_GROUP", "one")
-}
 
 /// What `mat_vec_q8_0_quant` and `mat_vec_q8_0_norm` (kernels/fused.cu) do after their rows ([`Builder::try_q8_tail`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,10 +164,11 @@ pub fn env_choice(name: &str, allowed: &[u32], default: u32) -> u32 {
     n.filter(|n| allowed.contains(n)).unwrap_or(default)
 }
 
-/// Rows per scores block of the split decode attention: 16, or 8 with
-/// `DS4_CUDA_ATTN_SCORE_ROWS=8` (twice the blocks), to measure.
+/// Rows per scores block of the split decode attention: 8, or 16 with
+/// `DS4_CUDA_ATTN_SCORE_ROWS=16` (half the blocks), to measure. 8 measured 1.7-2.2% faster a
+/// flash-4l token at ctx 2048, near its start and near its end (BENCHMARKS.md, twenty-ninth session).
 pub fn attn_score_rows() -> u32 {
-    env_choice("DS4_CUDA_ATTN_SCORE_ROWS", &[8, 16], 16)
+    env_choice("DS4_CUDA_ATTN_SCORE_ROWS", &[8, 16], 8)
 }
 
 /// Dims (threads) per weighted-sum block of the split decode attention: 128, or 64 or 256 with
@@ -1119,6 +1113,7 @@ impl<'a> Builder<'a> {
         self.need(Scratch::Partial, (mix_rows * n_chunks) as usize * 4);
         // Two groups of blocks with a ticket each: the pre gates' rows, and the other rows.
         self.tickets += 2;
+        let blocks_pre = blocks(4 * n_chunks as usize, HC_PRE_WARPS);
         // The streams' sums of squares, if the hc_post launched just before stored them; in a
         // decode program that hc_post runs inside this launch instead (every block computes the
         // streams and their sums of squares; block 0 stores them).
@@ -1146,15 +1141,6 @@ impl<'a> Builder<'a> {
             _ => None,
         };
         self.need(Scratch::Tickets, self.tickets as usize * 4);
-        // The pre gates' group in one block (its warps take HC_PRE_UNITS units each), so that
-        // its tail starts without a ticket from other blocks; the HC post in front takes one
-        // unit a warp.
-        let pre_units = 4 * n_chunks as usize;
-        let blocks_pre = if hc_pre_one_block() && post.is_none() && pre_units <= HC_PRE_WARPS * HC_PRE_UNITS {
-            1
-        } else {
-            blocks(pre_units, HC_PRE_WARPS)
-        };
         let (xq, xd) = if FUSE_NORM_Q8 && self.next_q8_input_after(norm, norm_op) {
             self.q8_scratch(n_embd as usize)
         } else {

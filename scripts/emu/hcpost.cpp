@@ -92,23 +92,6 @@ static int run(const char* what, u32 n_embd, bool add) {
               differ("xk", o1.xk, o2.xk) + differ("tickets", o1.tickets, o2.tickets);
     if (add) bad += differ("sum", o1.sum, o2.sum);
     for (u32 t : o1.tickets) bad += t != 0;
-    // The pre gates' group in one block (DS4_CUDA_HC_PRE_GROUP=one): each warp takes 8 units.
-    Outs o3(n_embd, mix_rows, nc);
-    o3.streams = o1.streams, o3.ss = o1.ss;
-    HcPreArgs a3 = pre_args(o3);
-    a3.ss = o3.ss.data();
-    a3.blocks_pre = 1;
-    const u32 grid3 = 1 + ((mix_rows - 4) * nc + HC_PRE_WARPS - 1) / HC_PRE_WARPS;
-    if (4 * nc <= HC_PRE_WARPS * HC_PRE_UNITS) {
-        emu_launch({grid3, 1, 1}, HC_PRE_WARPS * 32, [&] { hc_pre(&P, 0, R, a3); });
-        const int bad3 = differ("one-block flat", o1.flat, o3.flat) + differ("one-block mix", o1.mix, o3.mix) +
-                         differ("one-block split", o1.split, o3.split) + differ("one-block cur", o1.cur, o3.cur) +
-                         differ("one-block norm", o1.norm, o3.norm) + differ("one-block xq", o1.xq, o3.xq) +
-                         differ("one-block xd", o1.xd, o3.xd) + differ("one-block xk", o1.xk, o3.xk) +
-                         differ("one-block tickets", o1.tickets, o3.tickets);
-        printf("%-24s n_embd %5u: pre gates' group in one block: %s\n", what, n_embd, bad3 ? "DIFFER" : "same bits");
-        bad += bad3;
-    }
     printf("%-24s n_embd %5u%s: %s (hc_post checksum %016llx)\n", what, n_embd, add ? ", with the add" : "",
            bad ? "DIFFER" : "same bits", (unsigned long long)post_sum);
     return bad;
