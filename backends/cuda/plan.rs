@@ -1895,7 +1895,7 @@ pub const COND_SKIP: u64 = 3;
 /// A measurement of what each kernel's work costs a token, not a mode to run: the launches of
 /// the kernels named in `DS4_CUDA_SKIP` (comma-separated) keep their place in the plan and the
 /// graph but return at their guard, so the token's time less theirs is the critical path without
-/// their work. Their outputs are wrong, and so are the logits; `ds4 bench` says so.
+/// their work. Their outputs are wrong, and so are the logits; the backend says so when it starts.
 fn skip_for_measurement(launches: &mut [Launch]) {
     if let Some(names) = skipped_for_measurement() {
         skip_kernels(launches, &names.split(',').map(str::trim).collect::<Vec<_>>());
