@@ -164,11 +164,11 @@ pub fn env_choice(name: &str, allowed: &[u32], default: u32) -> u32 {
     n.filter(|n| allowed.contains(n)).unwrap_or(default)
 }
 
-/// Rows per scores block of the split decode attention: 8, or 16 with
-/// `DS4_CUDA_ATTN_SCORE_ROWS=16` (half the blocks), to measure. 8 measured 1.7-2.2% faster a
+/// Rows per scores block of the split decode attention: 8, or 4 or 16 with
+/// `DS4_CUDA_ATTN_SCORE_ROWS` (twice or half the blocks), to measure. 8 measured 1.7-2.2% faster a
 /// flash-4l token at ctx 2048, near its start and near its end (BENCHMARKS.md, twenty-ninth session).
 pub fn attn_score_rows() -> u32 {
-    env_choice("DS4_CUDA_ATTN_SCORE_ROWS", &[8, 16], 8)
+    env_choice("DS4_CUDA_ATTN_SCORE_ROWS", &[4, 8, 16], 8)
 }
 
 /// Dims (threads) per weighted-sum block of the split decode attention: 128, or 64 or 256 with
