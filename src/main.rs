@@ -538,10 +538,16 @@ fn spinner(msg: &str) -> ProgressBar {
 }
 
 /// Loads the model and compiles a session, with a progress line; returns the load time too.
-fn start(m: &ModelArgs, which: BackendArg) -> Result<(Engine, Duration)> {
+fn start(m: &ModelArgs, which: BackendArg, host_bytes: bool) -> Result<(Engine, Duration)> {
     let t0 = Instant::now();
     let pb = spinner("loading model");
-    let loaded = engine::load(&model_source(m));
+    // A cuda backend draws a preset's weights itself; `check` compares with a backend that
+    // reads the host bytes, so it builds them.
+    let loaded = if which == BackendArg::Cuda && !host_bytes {
+        engine::load_for_device(&model_source(m))
+    } else {
+        engine::load(&model_source(m))
+    };
     pb.finish_and_clear();
     let loaded = loaded?;
     for note in &loaded.notes {
@@ -631,7 +637,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         None => None,
     };
 
-    let (mut engine, _) = start(&a.m, a.m.backend)?;
+    let (mut engine, _) = start(&a.m, a.m.backend, false)?;
     let tok = engine.tokenizer();
     let think = if a.nothink { ThinkMode::NoThink } else { ThinkMode::Think };
     let input: Vec<u32> = match (ids, &prompt) {
@@ -743,7 +749,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 fn cmd_serve(a: ServeArgs) -> Result<()> {
     check_model_args(&a.m)?;
     let ServeArgs { m, host, port } = a;
-    serve::run(Box::new(move || Ok(start(&m, m.backend)?.0)), &host, port)
+    serve::run(Box::new(move || Ok(start(&m, m.backend, false)?.0)), &host, port)
 }
 
 fn cmd_check(mut a: CheckArgs) -> Result<()> {
@@ -775,7 +781,7 @@ fn cmd_check(mut a: CheckArgs) -> Result<()> {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("--logits: cannot read {}", p.display()))?),
         None => None,
     };
-    let (loaded, mut session, _) = start(&a.m, a.m.backend)?.0.into_parts();
+    let (loaded, mut session, _) = start(&a.m, a.m.backend, true)?.0.into_parts();
     let n_vocab = loaded.model.config.n_vocab;
     let reference: Option<Vec<f32>> = match (&a.logits, raw_reference) {
         (Some(p), Some(raw)) => {
@@ -992,7 +998,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if a.prefill.saturating_add(a.tokens) > a.m.ctx {
         bail!("--prefill {} plus -n {} tokens do not fit in -c/--ctx {}", a.prefill, a.tokens, a.m.ctx);
     }
-    let (engine, load_time) = start(&a.m, a.m.backend)?;
+    let (engine, load_time) = start(&a.m, a.m.backend, false)?;
     let (loaded, mut session, backend_label) = engine.into_parts();
     let cfg = &loaded.model.config;
     let prompt_from =
