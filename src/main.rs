@@ -1282,7 +1282,7 @@ fn cmd_kernels(arch: &str, source: Option<&Path>, chunk: bool) -> Result<()> {
             let t0 = Instant::now();
             let bytes = ds4::backends::cuda::compile_kernels(arch, layout, rows)?;
             out!(
-                "compiled the CUDA kernels for {arch} ({what}, {which}): {bytes} bytes of PTX in {:.2} s",
+                "compiled the CUDA kernels for {arch} ({what}, {which}): {bytes} bytes of SASS in {:.2} s",
                 t0.elapsed().as_secs_f64()
             );
         }

@@ -42,18 +42,18 @@ pub fn create(opts: BackendOptions) -> Result<Box<dyn Backend>, BackendError> {
 #[cfg(feature = "cuda")]
 pub use imp::{kernel_source, CudaBackend, CudaExecutable};
 
-/// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`), stores the PTX in the kernel cache
-/// a run reads (so a later start on a GPU of that architecture compiles nothing) and returns its
-/// size in bytes. Needs libnvrtc but no GPU.
+/// Compiles the kernels with NVRTC for `arch` (e.g. `sm_90`) into SASS, stores it in the kernel
+/// cache a run reads (so a later start on a GPU of that architecture compiles nothing) and returns
+/// its size in bytes. Needs libnvrtc but no GPU.
 #[cfg(feature = "cuda")]
 pub fn compile_kernels(arch: &str, layout: BlockLayout, rows: KernelRows) -> Result<usize, BackendError> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(BackendError::new("cuda", "no NVRTC library (libnvrtc, CUDA 13) on this machine"));
     }
-    let ptx = imp::compile_kernels(arch, layout, rows)?.to_src();
-    imp::cache::store(arch, layout, rows, &ptx);
-    Ok(ptx.len())
+    let cubin = imp::compile_kernels(arch, layout, rows)?;
+    imp::cache::store(arch, layout, rows, &cubin);
+    Ok(cubin.len())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -68,7 +68,6 @@ mod imp {
 
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     use cudarc::driver::{result, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
-    use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
     use super::args::{self, FillArgs, Ptr, PtrRef};
     use super::memory::{self, HostMem, HostRegistration, WeightMem};
@@ -476,25 +475,49 @@ mod imp {
             + &SOURCES.join("\n")
     }
 
-    /// Compiles the kernels for an `sm_XY` architecture.
-    pub fn compile_kernels(
-        arch: &str,
-        layout: BlockLayout,
-        rows: KernelRows,
-    ) -> Result<cudarc::nvrtc::Ptx, BackendError> {
-        let opts = CompileOptions {
-            // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and
-            // square root correctly rounded, subnormals kept, as the CPU computes them.
-            fmad: Some(COMPILE_FLAGS.0),
-            prec_div: Some(COMPILE_FLAGS.1),
-            prec_sqrt: Some(COMPILE_FLAGS.2),
-            ftz: Some(COMPILE_FLAGS.3),
-            options: vec![format!("--gpu-architecture={arch}")],
-            name: Some("ds4_kernels.cu".into()),
-            ..Default::default()
+    /// Compiles the kernels for an `sm_XY` architecture into a CUBIN (SASS), so that loading them
+    /// needs no JIT compilation by the driver: from PTX that took about 30 s on an H100 at every
+    /// start on a fresh machine, and again for every variant of the source.
+    pub fn compile_kernels(arch: &str, layout: BlockLayout, rows: KernelRows) -> Result<Vec<u8>, BackendError> {
+        use cudarc::nvrtc::{result as nvrtc, sys};
+        use std::ffi::{CStr, CString};
+        let (fmad, prec_div, prec_sqrt, ftz) = COMPILE_FLAGS;
+        // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and square
+        // root correctly rounded, subnormals kept, as the CPU computes them.
+        let options = [
+            format!("--ftz={ftz}"),
+            format!("--prec-sqrt={prec_sqrt}"),
+            format!("--prec-div={prec_div}"),
+            format!("--fmad={fmad}"),
+            format!("--gpu-architecture={arch}"),
+        ];
+        let failed = |what: &str, e: cudarc::nvrtc::result::NvrtcError| err(format!("NVRTC {what}: {e:?}"));
+        let src = CString::new(kernel_source(layout, rows)).map_err(|_| err("the kernel source holds a NUL byte"))?;
+        let name = CString::new("ds4_kernels.cu").expect("no NUL");
+        let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| failed("cannot create a program", e))?;
+        // SAFETY: `prog` is a live program from create_program (its source and name outlive it),
+        // used only here and destroyed once at the end; the CUBIN buffer has the size NVRTC gave.
+        let out = unsafe {
+            let compiled = match nvrtc::compile_program(prog, &options) {
+                Ok(()) => {
+                    let mut size = 0usize;
+                    sys::nvrtcGetCUBINSize(prog, &mut size).result().and_then(|()| {
+                        let mut cubin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()).result().map(|()| cubin)
+                    })
+                }
+                Err(e) => {
+                    let log = nvrtc::get_program_log(prog)
+                        .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    let _ = nvrtc::destroy_program(prog);
+                    return Err(err(format!("NVRTC failed to compile the kernels for {arch}: {e:?}\n{log}")));
+                }
+            };
+            let _ = nvrtc::destroy_program(prog);
+            compiled
         };
-        compile_ptx_with_opts(kernel_source(layout, rows), opts)
-            .map_err(|e| err(format!("NVRTC failed to compile the kernels: {e}")))
+        out.map_err(|e| failed("cannot read the compiled SASS", e))
     }
 
     /// NVRTC output cached on disk by source hash and architecture, so a second start compiles
@@ -522,24 +545,62 @@ mod imp {
         /// The cache file for `arch`: its name carries the hash of the source and the options.
         pub fn path(arch: &str, layout: super::BlockLayout, rows: super::KernelRows) -> Option<PathBuf> {
             let key = format!("{}|{arch}|{:?}", super::kernel_source(layout, rows), super::COMPILE_FLAGS);
-            Some(dir()?.join(format!("kernels-{arch}-{:016x}.ptx", fnv1a(key.as_bytes()))))
+            Some(dir()?.join(format!("kernels-{arch}-{:016x}.cubin", fnv1a(key.as_bytes()))))
         }
 
-        pub fn load(arch: &str, layout: super::BlockLayout, rows: super::KernelRows) -> Option<cudarc::nvrtc::Ptx> {
-            let text = std::fs::read_to_string(path(arch, layout, rows)?).ok()?;
-            // A PTX module that the driver can load ends with its last entry's closing brace.
-            text.trim_end().ends_with('}').then(|| cudarc::nvrtc::Ptx::from_src(text))
+        /// The cached CUBIN, if its file is whole: the CUBIN's bytes, then their FNV-1a hash (a
+        /// truncated or damaged file is compiled again, never handed to the driver).
+        pub fn load(arch: &str, layout: super::BlockLayout, rows: super::KernelRows) -> Option<Vec<u8>> {
+            read(&path(arch, layout, rows)?)
         }
 
-        pub fn store(arch: &str, layout: super::BlockLayout, rows: super::KernelRows, ptx: &str) {
+        pub fn store(arch: &str, layout: super::BlockLayout, rows: super::KernelRows, cubin: &[u8]) {
             if let Some(p) = path(arch, layout, rows) {
-                let tmp = p.with_extension("tmp");
-                let ok = p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
-                    && std::fs::write(&tmp, ptx).is_ok()
-                    && std::fs::rename(&tmp, &p).is_ok();
-                if !ok {
-                    let _ = std::fs::remove_file(&tmp);
-                }
+                write(&p, cubin);
+            }
+        }
+
+        fn read(p: &std::path::Path) -> Option<Vec<u8>> {
+            let mut bytes = std::fs::read(p).ok()?;
+            let body = bytes.len().checked_sub(8)?;
+            let hash = u64::from_le_bytes(bytes[body..].try_into().ok()?);
+            bytes.truncate(body);
+            (hash == fnv1a(&bytes) && bytes.starts_with(b"\x7fELF")).then_some(bytes)
+        }
+
+        fn write(p: &std::path::Path, cubin: &[u8]) {
+            let tmp = p.with_extension("tmp");
+            let mut file = cubin.to_vec();
+            file.extend_from_slice(&fnv1a(cubin).to_le_bytes());
+            let ok = p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
+                && std::fs::write(&tmp, file).is_ok()
+                && std::fs::rename(&tmp, p).is_ok();
+            if !ok {
+                let _ = std::fs::remove_file(&tmp);
+            }
+        }
+
+        #[cfg(test)]
+        mod tests {
+            /// What was stored comes back; a truncated, damaged or foreign file does not (the
+            /// kernels are compiled again instead).
+            #[test]
+            fn only_a_whole_cache_entry_is_read_back() {
+                let dir = std::env::temp_dir().join(format!("ds4-cache-test-{}", std::process::id()));
+                let p = dir.join("kernels-sm_90-0.cubin");
+                let cubin: Vec<u8> = b"\x7fELF".iter().copied().chain((0..1000u32).map(|i| (i * 7) as u8)).collect();
+                super::write(&p, &cubin);
+                assert_eq!(super::read(&p).as_deref(), Some(&cubin[..]));
+                let whole = std::fs::read(&p).unwrap();
+                std::fs::write(&p, &whole[..whole.len() - 100]).unwrap();
+                assert_eq!(super::read(&p), None, "truncated");
+                let mut flipped = whole.clone();
+                flipped[500] ^= 1;
+                std::fs::write(&p, &flipped).unwrap();
+                assert_eq!(super::read(&p), None, "one bit flipped");
+                std::fs::write(&p, b"//\n// Generated by NVIDIA NVVM Compiler\n.version 9.0\n}").unwrap();
+                assert_eq!(super::read(&p), None, "an old PTX entry");
+                let _ = std::fs::remove_dir_all(&dir);
             }
         }
     }
@@ -604,13 +665,14 @@ mod imp {
         layout: BlockLayout,
         rows: KernelRows,
     ) -> Result<Arc<cudarc::driver::CudaModule>, BackendError> {
-        match cache::load(arch, layout, rows).map(|ptx| ctx.load_module(ptx)) {
+        use cudarc::nvrtc::Ptx;
+        match cache::load(arch, layout, rows).map(|cubin| ctx.load_module(Ptx::from_binary(cubin))) {
             Some(Ok(m)) => Ok(m),
-            // No cache entry, or one the driver rejects (corrupt): compile and rewrite it.
+            // No cache entry, a damaged one, or one the driver rejects: compile and rewrite it.
             _ => {
-                let ptx = compile_kernels(arch, layout, rows)?;
-                cache::store(arch, layout, rows, &ptx.to_src());
-                ctx.load_module(ptx).map_err(drv("cannot load the compiled kernels"))
+                let cubin = compile_kernels(arch, layout, rows)?;
+                cache::store(arch, layout, rows, &cubin);
+                ctx.load_module(Ptx::from_binary(cubin)).map_err(drv("cannot load the compiled kernels"))
             }
         }
     }
