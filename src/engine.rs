@@ -98,7 +98,8 @@ fn load_with(source: &ModelSource, device_only: bool) -> Result<Loaded, EngineEr
                 EngineError::Invalid(format!("unknown preset '{name}' (tiny, small, flash-4l, flash)"))
             })?;
             if name == "flash" || (device_only && name != "tiny") {
-                // Flash (about 80 GB) is drawn in device memory by the backend, never built on the host.
+                // Drawn in device memory by the backend, never built on the host: Flash (about
+                // 80 GB) always, the other presets with a recipe when only the GPU reads them.
                 let model = synth::device_model(&preset, EMBEDDED_SEED)?;
                 let tokenizer = Tokenizer::from_gguf(&model.file)?;
                 let source = format!("synthetic '{name}' model (drawn in device memory)");

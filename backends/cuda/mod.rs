@@ -481,6 +481,7 @@ mod imp {
     pub fn compile_kernels(arch: &str, layout: BlockLayout, rows: KernelRows) -> Result<Vec<u8>, BackendError> {
         use cudarc::nvrtc::{result as nvrtc, sys};
         use std::ffi::{CStr, CString};
+        // Through NVRTC's C API: cudarc's safe one hands back PTX only.
         let (fmad, prec_div, prec_sqrt, ftz) = COMPILE_FLAGS;
         // The canonical profile (src/numerics.rs): a*b+c is two roundings, division and square
         // root correctly rounded, subnormals kept, as the CPU computes them.
@@ -497,27 +498,28 @@ mod imp {
         let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| failed("cannot create a program", e))?;
         // SAFETY: `prog` is a live program from create_program (its source and name outlive it),
         // used only here and destroyed once at the end; the CUBIN buffer has the size NVRTC gave.
-        let out = unsafe {
+        unsafe {
             let compiled = match nvrtc::compile_program(prog, &options) {
                 Ok(()) => {
                     let mut size = 0usize;
-                    sys::nvrtcGetCUBINSize(prog, &mut size).result().and_then(|()| {
-                        let mut cubin = vec![0u8; size];
-                        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()).result().map(|()| cubin)
-                    })
+                    sys::nvrtcGetCUBINSize(prog, &mut size)
+                        .result()
+                        .and_then(|()| {
+                            let mut cubin = vec![0u8; size];
+                            sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()).result().map(|()| cubin)
+                        })
+                        .map_err(|e| failed("cannot read the compiled SASS", e))
                 }
                 Err(e) => {
                     let log = nvrtc::get_program_log(prog)
                         .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
                         .unwrap_or_default();
-                    let _ = nvrtc::destroy_program(prog);
-                    return Err(err(format!("NVRTC failed to compile the kernels for {arch}: {e:?}\n{log}")));
+                    Err(err(format!("NVRTC failed to compile the kernels for {arch}: {e:?}\n{log}")))
                 }
             };
             let _ = nvrtc::destroy_program(prog);
             compiled
-        };
-        out.map_err(|e| failed("cannot read the compiled SASS", e))
+        }
     }
 
     /// NVRTC output cached on disk by source hash and architecture, so a second start compiles
