@@ -495,7 +495,7 @@ __device__ __forceinline__ void attn_rows_flush(float4* acc, u32 stride, float4 
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 1) attention_rows(DS4_ARGS, AttentionArgs a0) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     // The KV tile, then per warp the level-one sums of [tile row][lane ^ tile row][head] (the xor
     // spreads the banks); during the softmax, 1024 floats a warp for its weights.
     __shared__ __align__(16) float smem[ATTN_ROWS_TILE * 512 + 8 * ATTN_ROWS_TILE * 64];
@@ -820,7 +820,7 @@ __device__ __forceinline__ void attn_cp_async16(void* dst, const void* src) {
 __device__ __forceinline__ void attn_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_rows2(DS4_ARGS, AttentionArgs a0) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     extern __shared__ __align__(16) float attn_r2_smem[];
     ds4_check_dynamic_smem(ATTN_R2_SMEM);  // mod.rs: attn_rows2_smem
     float* const tiles = attn_r2_smem + ATTN_R2_TILES;

@@ -46,11 +46,48 @@ __device__ __forceinline__ void ds4_trigger_successor() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void ds4_wait_predecessor() {
+
+// The in-graph trace (DS4_TRACE 1, `DS4_CUDA_TRACE=1`; decode build only): the host numbers each
+// launch in the predicate's spare bits 50..62 (1-based, 0: not traced), and a few blocks of the
+// launch note the global timer (ns, one clock for all SMs) into its 8 slots: 0 the first block's
+// start (min), 1 the first block past the PDL wait (min), 2 the last block past it (max), 3..7
+// kernel-chosen points (max, DS4_TRACE_MARK). Only the first and last 8 blocks write, so a
+// 4096-block launch is not held up by its atomics. Measurement only: no output changes.
+#ifndef DS4_TRACE
+#define DS4_TRACE 0
+#endif
+#if DS4_TRACE && !DS4_CHUNK_ROWS
+#define DS4_TRACE_LAUNCHES 4096
+__device__ unsigned long long ds4_trace[8 * DS4_TRACE_LAUNCHES];
+__device__ __forceinline__ void ds4_trace_note(u64 cond, u32 slot) {
+    const u32 i = (u32)((cond >> 50) & 0x1fff);
+    if (i == 0 || i > DS4_TRACE_LAUNCHES || threadIdx.x + threadIdx.y + threadIdx.z != 0) return;
+    const bool first = blockIdx.x < 8, final = blockIdx.x + 8 >= gridDim.x;
+    if (slot < 3 && !first && !final) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    unsigned long long* s = ds4_trace + 8 * (i - 1);
+    if (slot == 0) {
+        if (first) atomicMin(s, t);
+    } else if (slot == 1) {
+        if (first) atomicMin(s + 1, t);
+        if (final) atomicMax(s + 2, t);
+    } else {
+        atomicMax(s + slot, t);
+    }
+}
+#define DS4_TRACE_MARK(slot) ds4_trace_note(cond, slot)
+#else
+#define DS4_TRACE_MARK(slot)
+#endif
+
+// `cond` is the launch's predicate word (for the trace only).
+__device__ __forceinline__ void ds4_wait_predecessor(u64 cond) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     ds4_trigger_successor();  // a second signal (after the guards' early one) changes nothing
 #endif
+    DS4_TRACE_MARK(1);
 }
 
 // Every kernel starts with these parameters and one of the guards below, so a predicated op is
@@ -68,18 +105,20 @@ __device__ __forceinline__ void ds4_wait_predecessor() {
 #define DS4_ROW
 #endif
 #define DS4_GUARD                \
+    DS4_TRACE_MARK(0);           \
     if (DS4_PDL_TRIGGER) ds4_trigger_successor(); \
     DS4_ROW                      \
-    ds4_wait_predecessor();      \
+    ds4_wait_predecessor(cond);  \
     if (!ds4_cond(P, cond)) return
 // For kernels that load their weights before waiting (weights never change during a token; the
 // step parameters are written before the token starts): the predicate first, then the weight
 // loads, then ds4_wait_predecessor() before reading anything an earlier kernel writes.
 #define DS4_GUARD_EARLY              \
+    DS4_TRACE_MARK(0);               \
     if (DS4_PDL_TRIGGER) ds4_trigger_successor(); \
     DS4_ROW                          \
     if (!ds4_cond(P, cond)) {        \
-        ds4_wait_predecessor();      \
+        ds4_wait_predecessor(cond);  \
         return;                      \
     }
 

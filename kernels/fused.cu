@@ -94,7 +94,7 @@ extern "C" __global__ void compressor_update(DS4_ARGS, CompressorUpdateArgs a) {
     // One launch for a chunk's whole row loop (the row count in cond bits 50..62): the rows in
     // order in this block, each with its own step parameters and pointers; the barrier after a
     // row makes its state writes visible to the next.
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 n_rows = (u32)(cond >> 50) & 0x1fff;
     for (u32 y = 0; y < n_rows; y++) {
         if (ds4_cond(P + y, cond)) {
@@ -130,7 +130,7 @@ extern "C" __global__ void mat_vec_f16_split_comp(DS4_ARGS, MatVecF16SplitCompAr
     s.n_chunks = a.n_chunks;
     s.ticket = a.ticket;
     s.rows2 = a.rows2;
-    if (!f16_split_rows(s)) return;
+    if (!f16_split_rows(cond, s)) return;
     __syncthreads();
     CompressorUpdateArgs c;
     c.kv = a.out;
@@ -305,7 +305,7 @@ __device__ void comp_write_state(const CompSources* S, const CompressorUpdateArg
 }
 
 extern "C" __global__ void __launch_bounds__(COMP_CHUNK_THREADS) compressor_update_chunk(DS4_ARGS, CompressorUpdateArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     __shared__ CompSources S;
     __shared__ __align__(16) float pooled[COMP_MAX_HEAD_DIM];
     __shared__ __align__(16) float row[COMP_MAX_HEAD_DIM];
@@ -596,7 +596,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     float scale;
     // The streams this warp's chunk reads: `x` itself, or (the HC post fused in front) the
     // post's outputs as this block computes them.
@@ -634,6 +634,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     }
     __threadfence();
     __syncthreads();
+    DS4_TRACE_MARK(7);  // the last block at its ticket
     const u32 ticket = a.ticket + (group_pre ? 0 : 1);
     const u32 group_blocks = group_pre ? a.blocks_pre : gridDim.x - a.blocks_pre;
     if (threadIdx.x == 0) last = atomicAdd(a.tickets + ticket, 1u) == group_blocks - 1;
@@ -641,15 +642,18 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     if (!last) return;
     __threadfence();
     __shared__ float mix[32];
+    DS4_TRACE_MARK(group_pre ? 3 : 5);  // a tail starts
     if (!group_pre) {
         hc_pre_mix_rows(a, 4, rows, mix);
         if (warp == 0) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
         if (threadIdx.x == 0) a.tickets[ticket] = 0;
+        DS4_TRACE_MARK(6);
         return;
     }
     hc_pre_mix_rows(a, 0, 4, mix);
     hc_pre_finish(a, mix);
     if (threadIdx.x == 0) a.tickets[ticket] = 0;
+    DS4_TRACE_MARK(4);
 }
 
 #if DS4_CHUNK_ROWS
@@ -703,7 +707,7 @@ extern "C" __global__ void router(DS4_ARGS, RouterArgs a) {
     DS4_GUARD_EARLY;
     const MatVecF16SplitArgs m = {a.w,    a.x,       a.partial, a.tickets,  a.logits, nullptr, nullptr,
                                   a.in_dim, a.rows, a.rows,    a.n_chunks, a.ticket, 0};
-    if (!f16_split_rows(m)) return;
+    if (!f16_split_rows(cond, m)) return;
     __syncthreads();
     const RouterSelectArgs r = {a.logits, a.bias, a.hash, a.selected, a.weights, a.rows, a.n_used, a.n_vocab, a.scale};
     router_select_block(P, r);
@@ -738,7 +742,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) mat_vec_q8_0_quant(DS4_ARG
     const u32 n_rows = a.mode == Q8_TAIL_SWIGLU ? 2 : 1;
 #pragma unroll 1
     for (u32 k = 0; k < n_rows; k++) {
-        const float x = q8_0_warp_row<Q8_QUANT_EARLY>(m, k * a.rows + r, lane);
+        const float x = q8_0_warp_row<Q8_QUANT_EARLY>(cond, m, k * a.rows + r, lane);
         if (k == 0) v = x;
         else up = x;
     }
@@ -755,7 +759,7 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
     DS4_GUARD_EARLY;
     const MatVecQ80Args m = {a.w, a.xq, a.xd, a.out, a.w2, a.out2, a.in_dim, a.rows, a.rows_per_group, a.rows2};
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    q8_0_warp_row(m, blockIdx.x * nw + warp, lane);
+    q8_0_warp_row(cond, m, blockIdx.x * nw + warp, lane);
     __threadfence();
     __syncthreads();
     __shared__ bool last;
@@ -793,14 +797,14 @@ extern "C" __global__ void __launch_bounds__(256, QKV_MIN_BLOCKS) mat_vec_q8_0_q
     const u32 hd = a.head_dim, rows = a.n_head * hd;
     const float* trow = qkv_rope_row(P, a.table, a.n_rot);
     if (blockIdx.x == 0) {
-        ds4_wait_predecessor();
+        ds4_wait_predecessor(cond);
         qkv_kv_row_block(P, a.kv_raw, a.kv_norm, a.kv, a.cache, trow, hd, a.n_rot, a.raw_cap, a.eps_kv);
         return;
     }
     const MatVecQ80Args m = {a.w, a.xq, a.xd, a.q, nullptr, nullptr, a.in_dim, rows, rows, 0};
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const u32 r0 = (blockIdx.x - 1) * nw, h = r0 / hd;
-    q8_0_warp_row(m, r0 + warp, lane);
+    q8_0_warp_row(cond, m, r0 + warp, lane);
     __threadfence();
     __syncthreads();
     __shared__ bool last;

@@ -96,7 +96,7 @@ __device__ __forceinline__ void idx_tree(float (&s)[IDX_MT][IDX_MC], const float
 }
 
 extern "C" __global__ void __launch_bounds__(IDX_THREADS) indexer_scores_chunk(DS4_ARGS, IndexerScoresArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     __shared__ float4 ks[IDX_BC * IDX_ROW4];
     __shared__ float4 qs[IDX_BT * IDX_ROW4];
     __shared__ float ws[IDX_BT];

@@ -69,7 +69,7 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
 #pragma unroll
     for (u32 t = 0; t < Q8_TOKEN_ROWS; t++)
         if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 lane = threadIdx.x & 31;
     const u32 rr = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const bool second = rr >= a.rows;
@@ -154,7 +154,7 @@ extern "C" __global__ void __launch_bounds__(128) mat_mul_q8_0(DS4_ARGS, MatVecQ
 #pragma unroll
     for (u32 t = 0; t < Q8_MMA_TOKENS; t++)
         if (ds4_cond(P + y0 + t, cond)) active |= 1u << t;
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (!active) return;
     const u32 lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3, warp = threadIdx.x >> 5;
     const u32 rr = (blockIdx.y * Q8_MMA_WARPS + warp) * 16;
@@ -446,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
     for (u32 w = Q8T_BN / 32; w-- > 0;)
         if (act[w]) first = 32 * w + __ffs(act[w]) - 1;
     if (first == Q8T_BN) {
-        ds4_wait_predecessor();
+        ds4_wait_predecessor(cond);
         return;
     }
     const u32 nb = a.in_dim / 32;
@@ -526,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
 
     // Weights never change during a token: their first step is copied before waiting.
     stage_weights(0, 0, 0);
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     stage_tokens(0, 0, 0);
     stage_token_scales(0, 0);
     load_weight_scales(0);
@@ -596,7 +596,7 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
 // first chunks loaded, then the wait for the previous kernel, then the sums; lane 0 stores it.
 // Returns the row's value in every lane (0 past the rows).
 template <u32 EARLY = Q8_EARLY_CHUNKS>
-__device__ __forceinline__ float q8_0_warp_row(const MatVecQ80Args& a, u32 rr, u32 lane) {
+__device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a, u32 rr, u32 lane) {
     const bool second = rr >= a.rows;
     const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
     const u8* w = second ? a.w2 : a.w;
@@ -610,7 +610,7 @@ __device__ __forceinline__ float q8_0_warp_row(const MatVecQ80Args& a, u32 rr, u
         const u32 b = u * DS4_BLOCK_CHUNK + lane;
         if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (!live) return 0.0f;
     const u32 g = second ? 0 : r / a.rows_per_group;
     const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
@@ -642,7 +642,7 @@ __device__ __forceinline__ float q8_0_warp_row(const MatVecQ80Args& a, u32 rr, u
 
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;
-    q8_0_warp_row(a, blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), threadIdx.x & 31);
+    q8_0_warp_row(cond, a, blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), threadIdx.x & 31);
 }
 #endif
 
@@ -698,7 +698,7 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, MatVecF16Args a) {
         const u32 c = u * DS4_CHUNK;
         if (live && c < a.in_dim) early[u] = load_chunk_f16(row + c, a.in_dim - c, lane);
     }
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (!live) return;
     const float* xg = a.x + (u64)(r / a.rows_per_group) * a.in_dim;
     float total = 0.0f;
@@ -717,7 +717,7 @@ extern "C" __global__ void mat_vec_f16(DS4_ARGS, MatVecF16Args a) {
 // chunk sums in order from +0: the same bits as one warp doing the whole row. With `rows2` > 0 a
 // second matrix of the same width (`w2`, `out2`, ungrouped) follows as rows `rows..`.
 // The body after the guard; returns true in the last block, once it has stored every row.
-__device__ __forceinline__ bool f16_split_rows(const MatVecF16SplitArgs& a) {
+__device__ __forceinline__ bool f16_split_rows(u64 cond, const MatVecF16SplitArgs& a) {
     __shared__ bool last;
     const u32 lane = threadIdx.x & 31;
     const u32 wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -729,7 +729,7 @@ __device__ __forceinline__ bool f16_split_rows(const MatVecF16SplitArgs& a) {
     const u16* row = (second ? a.w2 : a.w) + (u64)r * a.in_dim;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(row + c, a.in_dim - c, lane);
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (live) {
         const float* xg = a.x + (second ? 0 : (u64)(r / a.rows_per_group) * a.in_dim);
         const float s = warp_sum(chunk_dot_f16(chunk, xg + c, a.in_dim - c, lane));
@@ -753,7 +753,7 @@ __device__ __forceinline__ bool f16_split_rows(const MatVecF16SplitArgs& a) {
 
 extern "C" __global__ void mat_vec_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
     DS4_GUARD_EARLY;
-    f16_split_rows(a);
+    f16_split_rows(cond, a);
 }
 
 #if DS4_CHUNK_ROWS
@@ -815,7 +815,7 @@ __device__ __forceinline__ u32 f16_active_tokens(const StepParams* P, u64 cond, 
 extern "C" __global__ void mat_mul_f16(DS4_ARGS, MatVecF16Args a) {
     const u32 y0 = blockIdx.y * F16_TOKENS;
     const u32 active = f16_active_tokens(P, cond, y0);
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 lane = threadIdx.x & 31;
     const u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (!active || r >= a.rows) return;
@@ -856,7 +856,7 @@ extern "C" __global__ void mat_mul_f16_split(DS4_ARGS, MatVecF16SplitArgs a) {
     const u16* row = (second ? a.w2 : a.w) + (u64)r * a.in_dim;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(row + c, a.in_dim - c, lane);
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (!active) return;  // the whole group's blocks: none takes the ticket
     if (live) {
         const F16ChunkF wf = f16_chunk_floats(chunk);
@@ -943,7 +943,7 @@ __device__ __forceinline__ void f16_tile(const StepParams* P, u64 cond, const F1
 #pragma unroll
     for (u32 t = 0; t < (16 * TT); t++)
         if (ds4_cond(P + y0 + t, cond)) active |= 1ull << t;
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (!active) return;  // the whole tile's blocks: none takes the ticket
     const u32 all_rows = j.rows + j.rows2;
     const u32 row_tiles = (all_rows + (16 * TR) - 1) / (16 * TR);

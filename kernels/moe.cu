@@ -659,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MIN_BLOCKS) moe_gate_up
 #else
     const u32* tab = iq2_tab(a.grid, true);
 #endif
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     typedef Layout<16> Lay;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = lane % Lay::L;
     // The decode's positive bytes held in a register rather than copied in before each permute
@@ -925,7 +925,7 @@ __device__ __forceinline__ void moe_route_block(const StepParams* P, u64 cond, c
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_route(DS4_ARGS, MoeRouteArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     moe_route_block(P, cond, R, a, MOE_ROUTE_SERIAL);
 }
 
@@ -980,7 +980,7 @@ __device__ __forceinline__ void moe_gate_up_pairs(const MoeGateUpGroupedArgs& a,
 // many rows chose are spread over the launch instead of coming last. A block of an expert no row
 // chose leaves at once (the whole block: before any barrier).
 extern "C" __global__ void moe_gate_up_grouped(DS4_ARGS, MoeGateUpGroupedArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -1122,7 +1122,7 @@ __device__ __forceinline__ void moe_gate_up_pairs_iq2_xxs(const MoeGateUpGrouped
 // IQ2_XXS alone (the Flash experts): rows of at most 32 blocks decode each weight sub-block once
 // per batch of pairs; wider rows take moe_gate_up_pairs, a pair at a time.
 extern "C" __global__ void __launch_bounds__(256, MOE_PAIR_MIN_BLOCKS) moe_gate_up_grouped_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -1180,7 +1180,7 @@ __device__ __forceinline__ void moe_down_pairs(const MoeDownGroupedArgs& a, cons
 }
 
 extern "C" __global__ void moe_down_grouped(DS4_ARGS, MoeDownGroupedArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     __shared__ int is_sh[8][2 * MOE_ROWS_PER_WARP][MOE_MAX_BLOCKS];
@@ -1312,7 +1312,7 @@ __device__ __forceinline__ const BlockQ8K* gate_up_pair_x(const MoeGateUpGrouped
 // block, expert) as moe_gate_up_grouped's, a warp per MOE_MMA_MID_ROWS mid rows. Each block's
 // quants are loaded one block ahead, in the leaves' order.
 extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_gate_up_mma_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     const u32* codes = iq2_tab(a.grid, true);
@@ -1424,7 +1424,7 @@ __device__ __forceinline__ const BlockQ8K* down_pair_x(const MoeDownGroupedArgs&
 // them): blocks go (row block, expert), a warp per MOE_MMA_DOWN_ROWS rows; rows past out_dim read
 // the last row and are not written.
 extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_down_mma_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = t >> 1;
@@ -1753,7 +1753,7 @@ __device__ __forceinline__ void gut_leaf(const u8* mine, const u8* xs, const flo
 
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS4_ARGS, MoeGateUpGroupedArgs a) {
     static_assert(GUT_COLS <= 32 && GUT_TILES >= 1 && GUT_TILES <= 4, "two staged columns per thread of 256");
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     const u32 e = blockIdx.x % a.n_expert;
     if (a.route[e] == 0) return;
     extern __shared__ __align__(16) u8 gut_smem[];
@@ -2149,7 +2149,7 @@ __device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const Mo
 // LO = 2 for rows of at most 8 blocks (Flash: 8), where the tree's levels 0 and 1 take no
 // registers (no spills in the loop); LO = 0 for any row.
 extern "C" __global__ void __launch_bounds__(256, MOE2_MIN_BLOCKS) moe_down_tile_q2_k(DS4_ARGS, MoeDownGroupedArgs a) {
-    ds4_wait_predecessor();
+    ds4_wait_predecessor(cond);
     if (a.route[blockIdx.x % a.n_expert] == 0) return;
     __shared__ __align__(16) u8 act[MOE_TILE_S * MOE_TILE_COLS * MOE_TILE_STRIDE];
     __shared__ __align__(8) float actd[MOE_TILE_S * MOE_TILE_COLS];

@@ -81,6 +81,14 @@ pub trait Executable {
         let _ = (params, tokens);
         Err(BackendError::new("backend", "this backend does not time chunk programs"))
     }
+    /// Runs `tokens` steps at `params` as [`Executable::step`] runs them (a replayed graph when
+    /// one is captured), noting in-kernel timestamps: each launch's times, averaged. `Ok(None)`
+    /// where the backend was not built to trace (CUDA: `DS4_CUDA_TRACE=1`). For `ds4 bench
+    /// --profile`.
+    fn trace(&mut self, params: &StepParams, tokens: usize) -> Result<Option<Vec<TraceLaunch>>, BackendError> {
+        let _ = (params, tokens);
+        Ok(None)
+    }
     /// Overwrites a buffer (f32 values; I32 buffers take them as integers). For diagnostics.
     fn write_buffer(&mut self, buf: Buf, data: &[f32]) -> Result<(), BackendError>;
     /// Samples the token that follows the last step on the device and returns only its id, where
@@ -223,6 +231,114 @@ pub fn create(kind: BackendKind, opts: BackendOptions) -> Result<Box<dyn Backend
     }
 }
 
+/// One launch of a traced token ([`Executable::trace`]): microseconds from the moment the token's
+/// first launch could start work (its first block past its wait), averaged over the tokens.
+#[derive(Clone, Debug, Default)]
+pub struct TraceLaunch {
+    /// The kernel, or a fused launch's kernel and ops.
+    pub label: String,
+    /// On the side stream: its launches form a chain of their own beside the main one.
+    pub side: bool,
+    /// The first block started (resident, before it waits for the launch before).
+    pub entry: f64,
+    /// The first block passed that wait: the launch's inputs were ready.
+    pub ready: f64,
+    /// The last block passed it.
+    pub last_ready: f64,
+    /// Points the kernel chose to note (its trace slots 3..7), where it noted them.
+    pub marks: [Option<f64>; 5],
+}
+
+/// A traced token's launches summed per label ([`summarize_trace`]).
+#[derive(Clone, Debug, Default)]
+pub struct TraceRow {
+    pub label: String,
+    pub launches: usize,
+    /// Summed share of its chain's critical path, us.
+    pub path: f64,
+    /// Summed time its first block was resident before its inputs were ready, us.
+    pub ahead: f64,
+    /// Summed time from its first to its last block past the wait, us.
+    pub spread: f64,
+    /// Per slot 3..7: summed time after ready, and how many launches noted it.
+    pub marks: [(f64, usize); 5],
+}
+
+/// A traced token per label, the costliest first, and each chain's length (main, side), us.
+#[derive(Clone, Debug, Default)]
+pub struct TraceSummary {
+    pub rows: Vec<TraceRow>,
+    pub chains: [f64; 2],
+}
+
+/// Sums a traced token's launches per label: each launch's share of its chain's critical path is
+/// the time from its inputs being ready to the next launch's on the same stream (so it includes
+/// its own drain and the next launch's start); a chain's last launch gets none.
+pub fn summarize_trace(launches: &[TraceLaunch]) -> TraceSummary {
+    let mut sum = TraceSummary::default();
+    for (i, l) in launches.iter().enumerate() {
+        let next = launches[i + 1..].iter().find(|m| m.side == l.side);
+        let path = next.map_or(0.0, |m| m.ready - l.ready);
+        sum.chains[l.side as usize] += path;
+        let label = if l.side { format!("{} (side)", l.label) } else { l.label.clone() };
+        let at = match sum.rows.iter().position(|r| r.label == label) {
+            Some(at) => at,
+            None => {
+                sum.rows.push(TraceRow { label, ..TraceRow::default() });
+                sum.rows.len() - 1
+            }
+        };
+        let r = &mut sum.rows[at];
+        r.launches += 1;
+        r.path += path;
+        r.ahead += l.ready - l.entry;
+        r.spread += l.last_ready - l.ready;
+        for (m, v) in r.marks.iter_mut().zip(&l.marks) {
+            if let Some(v) = v {
+                *m = (m.0 + v - l.ready, m.1 + 1);
+            }
+        }
+    }
+    sum.rows.sort_by(|a, b| b.path.total_cmp(&a.path));
+    sum
+}
+
+impl TraceSummary {
+    /// The table `ds4 bench --profile` prints.
+    pub fn lines(&self) -> Vec<String> {
+        let launches: usize = self.rows.iter().map(|r| r.launches).sum();
+        let mut out = vec![
+            format!(
+                "trace      {launches} launches; the main chain from its first launch ready to its last: {:.1} us, \
+                 the side chain {:.1} us",
+                self.chains[0], self.chains[1]
+            ),
+            format!(
+                "  {:44} {:>5} {:>9} {:>7} {:>7} {:>7}  marks (us after ready: slot:us)",
+                "launch", "n", "path us", "each", "ahead", "spread"
+            ),
+        ];
+        for r in &self.rows {
+            let n = r.launches as f64;
+            let marks: Vec<String> = (r.marks.iter().enumerate())
+                .filter(|(_, m)| m.1 > 0)
+                .map(|(k, m)| format!("{}:{:.1}", k + 3, m.0 / m.1 as f64))
+                .collect();
+            out.push(format!(
+                "  {:44} {:5} {:9.1} {:7.2} {:7.2} {:7.2}  {}",
+                r.label,
+                r.launches,
+                r.path,
+                r.path / n,
+                r.ahead / n,
+                r.spread / n,
+                marks.join(" ")
+            ));
+        }
+        out
+    }
+}
+
 /// Sums (name, time) pairs per name, slowest first; a name timed more than once gets its count
 /// and the time of one (`router_select x4, 12.5 each`).
 pub fn summarize_profile(items: impl IntoIterator<Item = (String, f64)>) -> Vec<(String, f64)> {
@@ -240,4 +356,37 @@ pub fn summarize_profile(items: impl IntoIterator<Item = (String, f64)>) -> Vec<
     out.into_iter()
         .map(|(name, t, n)| if n > 1 { (format!("{name} x{n}, {:.1} each", t / n as f64), t) } else { (name, t) })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(label: &str, side: bool, entry: f64, ready: f64) -> TraceLaunch {
+        TraceLaunch { label: label.into(), side, entry, ready, last_ready: ready + 1.0, marks: [None; 5] }
+    }
+
+    /// Each chain's shares add up to its span from first to last ready, whatever the side
+    /// launches interleaved with it, and a label's launches are summed.
+    #[test]
+    fn trace_shares_add_up_to_each_chain() {
+        let mut t = vec![
+            launch("a", false, -3.0, 0.0),
+            launch("s", true, 1.0, 2.0),
+            launch("b", false, 4.0, 10.0),
+            launch("u", true, 3.0, 5.0),
+            launch("a", false, 20.0, 25.0),
+            launch("c", false, 25.0, 31.0),
+        ];
+        t[2].marks[1] = Some(12.5);
+        let s = summarize_trace(&t);
+        assert_eq!(s.chains, [31.0, 3.0]);
+        let row = |l: &str| s.rows.iter().find(|r| r.label == l).unwrap().clone();
+        assert_eq!((row("a").launches, row("a").path, row("a").ahead), (2, 16.0, 8.0));
+        assert_eq!((row("b").path, row("b").marks[1]), (15.0, (2.5, 1)));
+        assert_eq!(row("s (side)").path, 3.0);
+        assert_eq!((row("c").path, row("u (side)").path), (0.0, 0.0));
+        assert_eq!(s.rows[0].label, "a");
+        assert_eq!(s.rows.iter().map(|r| r.path).sum::<f64>(), 34.0);
+    }
 }

@@ -1141,6 +1141,12 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             1e3 * queued.as_secs_f64() / QUEUED as f64,
             rate(QUEUED, queued)
         );
+        // The in-graph trace, where the backend was built for it (CUDA: DS4_CUDA_TRACE=1).
+        if let Some(trace) = session.executable().trace(&params, QUEUED)? {
+            for line in ds4::backend::summarize_trace(&trace).lines() {
+                out!("{line}");
+            }
+        }
         let prof = session.executable().profile(&params)?;
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
         out!("profile    one token, eager, {:.1} us in total:", total);

@@ -73,7 +73,7 @@ mod imp {
     use super::memory::{self, HostMem, HostRegistration, WeightMem};
     use super::plan::{self, SCRATCH_KINDS};
     use super::{BlockLayout, KernelRows};
-    use crate::backend::{Backend, BackendError, Executable, GraphFailure};
+    use crate::backend::{Backend, BackendError, Executable, GraphFailure, TraceLaunch};
     use crate::backend::{BackendOptions, ExpertCacheStats};
     use crate::model::Model;
     use crate::placement::{self, Footprint, Placement, PlacementMode};
@@ -447,12 +447,15 @@ mod imp {
             }
             KernelRows::One => String::new(),
         };
-        let tuning: String = std::env::var("DS4_CUDA_DEFINES")
+        let mut tuning: String = std::env::var("DS4_CUDA_DEFINES")
             .unwrap_or_default()
             .split(|c: char| c.is_whitespace() || c == ',')
             .filter(|d| !d.is_empty())
             .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
             .collect();
+        if plan::trace_on() {
+            tuning.push_str("#define DS4_TRACE 1\n");
+        }
         // The decode attention's split shape, which plan.rs sizes its grids and scratch by.
         let split = format!(
             "#define ATTN_SPLIT_HEADS {}\n#define ATTN_SCORE_ROWS {}\n#define ATTN_SCORE_THREADS {}\n#define ATTN_SUM_THREADS {}\n",
@@ -739,22 +742,26 @@ mod imp {
             marks.push(e);
         }
         stream.synchronize().map_err(drv("the timed launches failed"))?;
-        let steps = program.steps();
         let mut times = Vec::with_capacity(marks.len());
         let mut prev = &first;
         for (l, e) in launches.iter().zip(&marks) {
             let ms = prev.elapsed_ms(e).map_err(drv("cannot read an event"))?;
-            let label = match l.ops.len() {
-                1 => l.kernel.to_string(),
-                _ => {
-                    let names: Vec<&str> = l.ops.iter().map(|&k| steps[k].op.name()).collect();
-                    format!("{} [{}]", l.kernel, names.join(" + "))
-                }
-            };
-            times.push((label, ms as f64 * 1e3));
+            times.push((launch_label(l, program), ms as f64 * 1e3));
             prev = e;
         }
         Ok(crate::backend::summarize_profile(times))
+    }
+
+    /// A launch's name in a profile or trace: its kernel, and the recorded ops when it fuses several.
+    fn launch_label(l: &Resolved, program: &Program) -> String {
+        match l.ops.len() {
+            1 => l.kernel.to_string(),
+            _ => {
+                let steps = program.steps();
+                let names: Vec<&str> = l.ops.iter().map(|&k| steps[k].op.name()).collect();
+                format!("{} [{}]", l.kernel, names.join(" + "))
+            }
+        }
     }
 
     fn launch_chunk(stream: &CudaStream, c: &Chunk, pdl: bool) -> Result<(), result::DriverError> {
@@ -1123,6 +1130,8 @@ mod imp {
         chunk_funcs: Option<Functions>,
         arch: String,
         layout: BlockLayout,
+        /// The decode kernels' module (for the trace's device buffer).
+        module: Arc<cudarc::driver::CudaModule>,
     }
 
     impl CudaExecutable {
@@ -1439,17 +1448,20 @@ mod imp {
                 scratch: scratch_off.iter().map(|&(_, o)| (base + o as u64, 0)).collect(),
             };
             let mut funcs = Functions { module: module.clone(), loaded: Vec::new() };
-            let mut resolve_all = |p: &plan::Plan| -> Result<Vec<Resolved>, BackendError> {
+            let mut resolve_all = |p: &plan::Plan, traced: bool| -> Result<Vec<Resolved>, BackendError> {
                 let mut out = Vec::with_capacity(p.launches.len());
-                for l in &p.launches {
+                for (i, l) in p.launches.iter().enumerate() {
                     let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
                     indexer_one(&mut r, &mut funcs)?;
+                    if traced && i < plan::TRACE_LAUNCHES {
+                        r.cond |= (i as u64 + 1) << plan::TRACE_SHIFT;
+                    }
                     out.push(r);
                 }
                 Ok(out)
             };
-            let launches = resolve_all(&plan)?;
-            let single = resolve_all(&single_plan)?;
+            let launches = resolve_all(&plan, plan::trace_on())?;
+            let single = resolve_all(&single_plan, false)?;
             let fill = module.load_function("fill").map_err(drv("kernel 'fill' is missing"))?;
             let sample_fn = module.load_function("sample_token").map_err(drv("kernel 'sample_token' is missing"))?;
             let sampled = stream.alloc_zeros::<u32>(1).map_err(drv("cannot allocate the sampled token"))?;
@@ -1493,6 +1505,7 @@ mod imp {
                 chunk_funcs: None,
                 arch,
                 layout,
+                module,
             };
             exe.reset()?;
             Ok(exe)
@@ -2064,6 +2077,63 @@ mod imp {
             self.stream.memcpy_htod(&words, &mut self.params).map_err(drv("cannot write the step parameters"))?;
             let params = self.params.device_ptr(&self.stream).0;
             time_launches(&self.stream, &self.launches, params, self.pdl, &self.program)
+        }
+
+        fn trace(&mut self, p: &StepParams, tokens: usize) -> Result<Option<Vec<TraceLaunch>>, BackendError> {
+            if !plan::trace_on() {
+                return Ok(None);
+            }
+            const SLOTS: usize = 8;
+            let n = self.launches.len().min(plan::TRACE_LAUNCHES);
+            let mut init = vec![0u64; SLOTS * plan::TRACE_LAUNCHES];
+            for i in 0..plan::TRACE_LAUNCHES {
+                init[SLOTS * i] = u64::MAX;
+                init[SLOTS * i + 1] = u64::MAX;
+            }
+            let init: Vec<u8> = bytemuck::cast_slice(&init).to_vec();
+            let mut host = vec![0u8; init.len()];
+            let mut sums = vec![[(0.0f64, 0usize); SLOTS]; n];
+            for _ in 0..tokens {
+                {
+                    let mut buf = self.module.get_global("ds4_trace", &self.stream).map_err(drv("no trace buffer"))?;
+                    self.stream.memcpy_htod(&init, &mut buf).map_err(drv("cannot clear the trace"))?;
+                }
+                self.step(p)?;
+                {
+                    let buf = self.module.get_global("ds4_trace", &self.stream).map_err(drv("no trace buffer"))?;
+                    self.stream.memcpy_dtoh(&buf, &mut host).map_err(drv("cannot read the trace"))?;
+                }
+                self.stream.synchronize().map_err(drv("the traced token failed"))?;
+                let v: Vec<u64> =
+                    host.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
+                let noted = |x: u64| x != 0 && x != u64::MAX;
+                let t0 = (0..n).map(|i| v[SLOTS * i + 1]).filter(|&x| noted(x)).min().unwrap_or(0);
+                for (i, sum) in sums.iter_mut().enumerate() {
+                    for (k, s) in sum.iter_mut().enumerate() {
+                        let x = v[SLOTS * i + k];
+                        if noted(x) {
+                            *s = (s.0 + (x as f64 - t0 as f64) / 1e3, s.1 + 1);
+                        }
+                    }
+                }
+            }
+            let mean = |s: (f64, usize)| (s.1 > 0).then(|| s.0 / s.1 as f64);
+            let out = self.launches[..n]
+                .iter()
+                .zip(&sums)
+                .map(|(l, s)| {
+                    let ready = mean(s[1]).unwrap_or(0.0);
+                    TraceLaunch {
+                        label: launch_label(l, &self.program),
+                        side: l.side,
+                        entry: mean(s[0]).unwrap_or(ready),
+                        ready,
+                        last_ready: mean(s[2]).unwrap_or(ready),
+                        marks: std::array::from_fn(|k| mean(s[k + 3])),
+                    }
+                })
+                .collect();
+            Ok(Some(out))
         }
 
         fn profile_chunk(&mut self, p: &StepParams, tokens: &[u32]) -> Result<Vec<(String, f64)>, BackendError> {

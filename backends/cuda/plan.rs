@@ -158,6 +158,18 @@ pub fn env_is(name: &str, value: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == value)
 }
 
+/// The in-graph trace, a measurement (`DS4_CUDA_TRACE=1`): the kernels are built with `DS4_TRACE`
+/// (kernels/common.cuh), each decode launch carries its number in the predicate's bits
+/// [`TRACE_SHIFT`].., and `ds4 bench --profile` prints where a replayed token's time goes.
+pub fn trace_on() -> bool {
+    env_is("DS4_CUDA_TRACE", "1")
+}
+
+/// Where a traced launch's number (1-based) sits in its predicate word, and how many fit
+/// (`DS4_TRACE_LAUNCHES` in kernels/common.cuh).
+pub const TRACE_SHIFT: u32 = 50;
+pub const TRACE_LAUNCHES: usize = 4096;
+
 /// The measuring switch `name` when it is one of `allowed`, else `default`.
 pub fn env_choice(name: &str, allowed: &[u32], default: u32) -> u32 {
     let n = std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
