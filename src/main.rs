@@ -1146,6 +1146,22 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             for line in ds4::backend::summarize_trace(&trace).lines() {
                 out!("{line}");
             }
+            // A stretch of the token in launch order (two layers or so, from a third of the way in).
+            let from = trace.len() / 3;
+            out!("trace      launches {from}.. in order: start, ready, last ready, marks (us from the token's first ready)");
+            for (i, l) in trace.iter().enumerate().skip(from).take(40) {
+                let marks: Vec<String> =
+                    (l.marks.iter().enumerate()).filter_map(|(k, m)| m.map(|m| format!("{}:{m:.1}", k + 3))).collect();
+                out!(
+                    "  {i:4} {:44} {:9.1} {:9.1} {:9.1}  {}{}",
+                    l.label,
+                    l.entry,
+                    l.ready,
+                    l.last_ready,
+                    if l.side { "side " } else { "" },
+                    marks.join(" ")
+                );
+            }
         }
         let prof = session.executable().profile(&params)?;
         let total: f64 = prof.iter().map(|(_, t)| t).sum();
