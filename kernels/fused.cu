@@ -435,6 +435,16 @@ __device__ __forceinline__ void hc_pre_mix_rows(const HcPreArgs& a, u32 first, u
     __syncthreads();
 }
 
+// DS4_TRACE_HC_STAGES 1 (a measurement, with DS4_TRACE): the pre gates' tail notes its steps in
+// trace slots 5 (gates made), 6 (weighted sum and its sum of squares), 7 (norm stored; the
+// quantizations follow), instead of the Sinkhorn tail's and the ticket's.
+#ifndef DS4_TRACE_HC_STAGES
+#define DS4_TRACE_HC_STAGES 0
+#endif
+#define HC_STAGE(slot)                     \
+    if (DS4_TRACE_HC_STAGES) {             \
+        DS4_TRACE_MARK(slot);              \
+    }
 // The first group's tail for the 512-chunk `ch` of `cur`, by one warp, lane l holding values
 // ch*512 + 128u + 4l + j (the lanes of the canonical sum of squares): the weighted sum, then,
 // once `s2` is known, the norm and its quantizations. Q8_0: a 32-block is 8 lanes; Q8_K: a
@@ -479,7 +489,7 @@ __device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const floa
     return warp_sum(sq);
 }
 
-__device__ __forceinline__ void hc_pre_norm_chunk(const HcPreArgs& a, float s2, u32 ch, u32 lane, HcPreChunk* c) {
+__device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, float s2, u32 ch, u32 lane, HcPreChunk* c) {
     float4 w[4];
 #pragma unroll
     for (u32 u = 0; u < 4; u++) {
@@ -498,6 +508,7 @@ __device__ __forceinline__ void hc_pre_norm_chunk(const HcPreArgs& a, float s2, 
         const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
         if (c->ok[u]) *(float4*)(a.norm + d) = make_float4(o[u][0], o[u][1], o[u][2], o[u][3]);
     }
+    HC_STAGE(7);
     if (a.xq) {
 #pragma unroll
         for (u32 u = 0; u < 4; u++) {
@@ -559,7 +570,7 @@ __device__ __forceinline__ void hc_pre_norm_chunk(const HcPreArgs& a, float s2, 
 
 // The first group's tail from the mix rows 0..4 (in shared memory): the pre gates, the weighted
 // sum of the streams and the sublayer norm with its quantizations. All threads of the block.
-__device__ __forceinline__ void hc_pre_finish(const HcPreArgs& a, const float* mix) {
+__device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, const float* mix) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __shared__ float pre[4];
     if (threadIdx.x < 4) {
@@ -567,6 +578,7 @@ __device__ __forceinline__ void hc_pre_finish(const HcPreArgs& a, const float* m
         a.split[threadIdx.x] = pre[threadIdx.x];
     }
     __syncthreads();
+    HC_STAGE(5);
     // Each warp keeps its chunks of `cur` in registers (the plan asks n_embd <= 16 * 512).
     __shared__ float cur_ss[HC_PRE_MAX_EMBD / DS4_CHUNK];
     const u32 ne_chunks = (a.n_embd + DS4_CHUNK - 1) / DS4_CHUNK;
@@ -576,11 +588,12 @@ __device__ __forceinline__ void hc_pre_finish(const HcPreArgs& a, const float* m
         if (lane == 0) cur_ss[warp] = sq;
     }
     __syncthreads();
+    HC_STAGE(6);
     if (warp < ne_chunks) {
         float ss2 = 0.0f;
         for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
         const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
-        hc_pre_norm_chunk(a, s2, warp, lane, &cc);
+        hc_pre_norm_chunk(cond, a, s2, warp, lane, &cc);
     }
 }
 
@@ -634,7 +647,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     }
     __threadfence();
     __syncthreads();
-    DS4_TRACE_MARK(7);  // the last block at its ticket
+    if (!DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(7);  // the last block at its ticket
     const u32 ticket = a.ticket + (group_pre ? 0 : 1);
     const u32 group_blocks = group_pre ? a.blocks_pre : gridDim.x - a.blocks_pre;
     if (threadIdx.x == 0) last = atomicAdd(a.tickets + ticket, 1u) == group_blocks - 1;
@@ -642,16 +655,16 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     if (!last) return;
     __threadfence();
     __shared__ float mix[32];
-    DS4_TRACE_MARK(group_pre ? 3 : 5);  // a tail starts
+    if (group_pre || !DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(group_pre ? 3 : 5);  // a tail starts
     if (!group_pre) {
         hc_pre_mix_rows(a, 4, rows, mix);
         if (warp == 0) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
         if (threadIdx.x == 0) a.tickets[ticket] = 0;
-        DS4_TRACE_MARK(6);
+        if (!DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(6);
         return;
     }
     hc_pre_mix_rows(a, 0, 4, mix);
-    hc_pre_finish(a, mix);
+    hc_pre_finish(cond, a, mix);
     if (threadIdx.x == 0) a.tickets[ticket] = 0;
     DS4_TRACE_MARK(4);
 }
@@ -695,7 +708,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_tail(DS4_
     __shared__ float mix[32];
     if (threadIdx.x < a.mix_rows) mix[threadIdx.x] = a.mix[threadIdx.x];
     __syncthreads();
-    if (blockIdx.x == 0) hc_pre_finish(a, mix);
+    if (blockIdx.x == 0) hc_pre_finish(cond, a, mix);
     else if (threadIdx.x < 32) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
 }
 #endif
