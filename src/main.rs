@@ -349,6 +349,8 @@ struct BenchArgs {
     #[arg(short = 'n', long, default_value_t = 64, value_parser = at_least_one)]
     tokens: usize,
     /// Also time one more token op by op (kernel by kernel on GPUs) and print every family, slowest first.
+    /// With the CUDA backend and DS4_CUDA_TRACE=1 (a measurement build), also where a replayed
+    /// token's critical path goes, launch family by family.
     #[arg(long)]
     profile: bool,
     /// Untimed passes (a prefill and decode of the same lengths from another prompt, then a reset)
