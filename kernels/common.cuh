@@ -48,25 +48,25 @@ __device__ __forceinline__ void ds4_trigger_successor() {
 }
 
 // The in-graph trace (DS4_TRACE 1, `DS4_CUDA_TRACE=1`; decode build only): the host numbers each
-// launch in the predicate's spare bits 50..62 (1-based, 0: not traced), and a few blocks of the
-// launch note the global timer (ns, one clock for all SMs) into its 8 slots: 0 the first block's
-// start (min), 1 the first block past the PDL wait (min), 2 the last block past it (max), 3..7
-// kernel-chosen points (max, DS4_TRACE_MARK). Only the first and last 8 blocks write, so a
-// 4096-block launch is not held up by its atomics. Measurement only: no output changes.
+// launch in the predicate's spare bits from DS4_TRACE_SHIFT (13 bits, 1-based, 0: not traced), and
+// a few blocks of the launch note the global timer (ns, one clock for all SMs) into its
+// DS4_TRACE_SLOTS slots: 0 the first block's start (min), 1 the first block past the PDL wait
+// (min), 2 the last block past it (max), 3.. kernel-chosen points (max, DS4_TRACE_MARK). Only the
+// first and last 8 blocks write, so a 4096-block launch is not held up by its atomics. Measurement
+// only: no output changes. The host defines the sizes with DS4_TRACE (plan.rs TRACE_*).
 #ifndef DS4_TRACE
 #define DS4_TRACE 0
 #endif
 #if DS4_TRACE && !DS4_CHUNK_ROWS
-#define DS4_TRACE_LAUNCHES 4096
-__device__ unsigned long long ds4_trace[8 * DS4_TRACE_LAUNCHES];
+__device__ unsigned long long ds4_trace[DS4_TRACE_SLOTS * DS4_TRACE_LAUNCHES];
 __device__ __forceinline__ void ds4_trace_note(u64 cond, u32 slot) {
-    const u32 i = (u32)((cond >> 50) & 0x1fff);
+    const u32 i = (u32)((cond >> DS4_TRACE_SHIFT) & 0x1fff);
     if (i == 0 || i > DS4_TRACE_LAUNCHES || threadIdx.x + threadIdx.y + threadIdx.z != 0) return;
     const bool first = blockIdx.x < 8, final = blockIdx.x + 8 >= gridDim.x;
     if (slot < 3 && !first && !final) return;
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    unsigned long long* s = ds4_trace + 8 * (i - 1);
+    unsigned long long* s = ds4_trace + DS4_TRACE_SLOTS * (i - 1);
     if (slot == 0) {
         if (first) atomicMin(s, t);
     } else if (slot == 1) {

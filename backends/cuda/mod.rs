@@ -454,7 +454,12 @@ mod imp {
             .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
             .collect();
         if plan::trace_on() {
-            tuning.push_str("#define DS4_TRACE 1\n");
+            tuning.push_str(&format!(
+                "#define DS4_TRACE 1\n#define DS4_TRACE_SHIFT {}\n#define DS4_TRACE_LAUNCHES {}\n#define DS4_TRACE_SLOTS {}\n",
+                plan::TRACE_SHIFT,
+                plan::TRACE_LAUNCHES,
+                plan::TRACE_SLOTS
+            ));
         }
         // The decode attention's split shape, which plan.rs sizes its grids and scratch by.
         let split = format!(
@@ -2083,7 +2088,7 @@ mod imp {
             if !plan::trace_on() {
                 return Ok(None);
             }
-            const SLOTS: usize = 8;
+            const SLOTS: usize = plan::TRACE_SLOTS;
             let n = self.launches.len().min(plan::TRACE_LAUNCHES);
             let mut init = vec![0u64; SLOTS * plan::TRACE_LAUNCHES];
             for i in 0..plan::TRACE_LAUNCHES {

@@ -165,10 +165,12 @@ pub fn trace_on() -> bool {
     env_is("DS4_CUDA_TRACE", "1")
 }
 
-/// Where a traced launch's number (1-based) sits in its predicate word, and how many fit
-/// (`DS4_TRACE_LAUNCHES` in kernels/common.cuh).
+/// Where a traced launch's number (1-based, 13 bits) sits in its predicate word, how many launches
+/// are traced, and the timer slots of each (kernels/common.cuh takes all three as defines).
 pub const TRACE_SHIFT: u32 = 50;
 pub const TRACE_LAUNCHES: usize = 4096;
+pub const TRACE_SLOTS: usize = 8;
+const _: () = assert!(TRACE_LAUNCHES < 1 << 13 && TRACE_SHIFT + 13 <= 63);
 
 /// The measuring switch `name` when it is one of `allowed`, else `default`.
 pub fn env_choice(name: &str, allowed: &[u32], default: u32) -> u32 {
