@@ -402,6 +402,22 @@ __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const f
 #define HC_PRE_MAX_PARTIALS 2048
 #define HC_PRE_MAX_EMBD 8192
 #define HC_PRE_WARPS 16
+// Measured variants (default off): HC_PRE_Q8K_APART, the experts' Q8_K on the tail block's idle
+// warps; HC_PRE_TAIL_PREFETCH, the pre-gates group's blocks ask L1 for what a tail reads (norm
+// weights, base, the streams) before their ticket.
+#ifndef HC_PRE_Q8K_APART
+#define HC_PRE_Q8K_APART 0
+#endif
+#ifndef HC_PRE_TAIL_PREFETCH
+#define HC_PRE_TAIL_PREFETCH 0
+#endif
+
+// Asks L1 for the 128-byte lines of v[0..n], a line per thread of the block.
+__device__ __forceinline__ void prefetch_l1(const float* v, u32 n) {
+#if __CUDA_ARCH__
+    for (u32 i = threadIdx.x * 32; i < n; i += blockDim.x * 32) asm volatile("prefetch.global.L1 [%0];" ::"l"(v + i));
+#endif
+}
 
 // The sum from +0 of v[0..n] in order, where lane k of the warp holds v[k0 + k]; every lane
 // gets it.
@@ -454,7 +470,8 @@ struct HcPreChunk {
     float v[4][4];
     bool ok[4];
 };
-__device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const float* pre, u32 ch, u32 lane, HcPreChunk* c) {
+__device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const float* pre, u32 ch, u32 lane, HcPreChunk* c,
+                                                  bool store) {
     const u32 ne = a.n_embd;
     float4 xs[4][4];
 #pragma unroll
@@ -481,7 +498,7 @@ __device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const floa
             c->v[u][j] = acc;
             if (c->ok[u]) sq += acc * acc;
         }
-        if (c->ok[u]) {
+        if (store && c->ok[u]) {
             const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
             *(float4*)(a.cur + d) = make_float4(c->v[u][0], c->v[u][1], c->v[u][2], c->v[u][3]);
         }
@@ -489,7 +506,8 @@ __device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const floa
     return warp_sum(sq);
 }
 
-__device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, float s2, u32 ch, u32 lane, HcPreChunk* c) {
+__device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, float s2, u32 ch, u32 lane, HcPreChunk* c,
+                                                  bool store, bool q8k) {
     float4 w[4];
 #pragma unroll
     for (u32 u = 0; u < 4; u++) {
@@ -506,10 +524,10 @@ __device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, 
             o[u][j] = v * wv[j];
         }
         const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
-        if (c->ok[u]) *(float4*)(a.norm + d) = make_float4(o[u][0], o[u][1], o[u][2], o[u][3]);
+        if (store && c->ok[u]) *(float4*)(a.norm + d) = make_float4(o[u][0], o[u][1], o[u][2], o[u][3]);
     }
     HC_STAGE(7);
-    if (a.xq) {
+    if (store && a.xq) {
 #pragma unroll
         for (u32 u = 0; u < 4; u++) {
             float amax = fmaxf(fmaxf(fabsf(o[u][0]), fabsf(o[u][1])), fmaxf(fabsf(o[u][2]), fabsf(o[u][3])));
@@ -526,7 +544,7 @@ __device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, 
             }
         }
     }
-    if (a.xk) {
+    if (q8k && a.xk) {
         // Per 256: the value of largest magnitude, lowest index on ties, sets d.
 #pragma unroll
         for (u32 h = 0; h < 2; h++) {
@@ -579,21 +597,26 @@ __device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, cons
     }
     __syncthreads();
     HC_STAGE(5);
-    // Each warp keeps its chunks of `cur` in registers (the plan asks n_embd <= 16 * 512).
+    // Each warp keeps its chunks of `cur` in registers (the plan asks n_embd <= 16 * 512). With
+    // HC_PRE_Q8K_APART and room for it, a second set of warps makes the same chunks again and
+    // only their Q8_K, beside the first set's stores and Q8_0.
     __shared__ float cur_ss[HC_PRE_MAX_EMBD / DS4_CHUNK];
     const u32 ne_chunks = (a.n_embd + DS4_CHUNK - 1) / DS4_CHUNK;
+    const bool apart = HC_PRE_Q8K_APART && a.xk && 2 * ne_chunks <= HC_PRE_WARPS;
+    const bool first = warp < ne_chunks;
+    const u32 ch = first ? warp : warp - ne_chunks;
     HcPreChunk cc;
-    if (warp < ne_chunks) {
-        const float sq = hc_pre_cur_chunk(a, pre, warp, lane, &cc);
-        if (lane == 0) cur_ss[warp] = sq;
+    if (first || (apart && ch < ne_chunks)) {
+        const float sq = hc_pre_cur_chunk(a, pre, ch, lane, &cc, first);
+        if (first && lane == 0) cur_ss[ch] = sq;
     }
     __syncthreads();
     HC_STAGE(6);
-    if (warp < ne_chunks) {
+    if (first || (apart && ch < ne_chunks)) {
         float ss2 = 0.0f;
         for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
         const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
-        hc_pre_norm_chunk(cond, a, s2, warp, lane, &cc);
+        hc_pre_norm_chunk(cond, a, s2, ch, lane, &cc, first, !apart || !first);
     }
 }
 
@@ -609,6 +632,10 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
+    if (HC_PRE_TAIL_PREFETCH && group_pre) {
+        prefetch_l1(a.norm_w, a.n_embd);
+        prefetch_l1(a.base, 4);
+    }
     ds4_wait_predecessor(cond);
     float scale;
     // The streams this warp's chunk reads: `x` itself, or (the HC post fused in front) the
@@ -645,6 +672,8 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         if (r == 0)
             for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = xc[i] * scale;
     }
+    // The streams the pre-gates tail weighs (with the post inside, block 0 is still storing them).
+    if (HC_PRE_TAIL_PREFETCH && group_pre && !a.post_block) prefetch_l1(a.x, n);
     __threadfence();
     __syncthreads();
     if (!DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(7);  // the last block at its ticket
@@ -768,10 +797,23 @@ extern "C" __global__ void __launch_bounds__(1024, 1) mat_vec_q8_0_quant(DS4_ARG
     quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blockIdx.x, lane);
 }
 
+// Q8_NORM_W_EARLY (a measured variant, default off): every block loads the norm weights its warps
+// would use in the tail (up to 4 per lane) before its rows, so the last block does not wait for them.
+#ifndef Q8_NORM_W_EARLY
+#define Q8_NORM_W_EARLY 0
+#endif
 extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
     DS4_GUARD_EARLY;
     const MatVecQ80Args m = {a.w, a.xq, a.xd, a.out, a.w2, a.out2, a.in_dim, a.rows, a.rows_per_group, a.rows2};
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+#if Q8_NORM_W_EARLY
+    float w_early[4];
+#pragma unroll
+    for (u32 k = 0; k < 4; k++) {
+        const u32 blk = warp + k * nw;
+        w_early[k] = a.norm_w && blk < a.rows / 32 ? __ldg(a.norm_w + blk * 32 + lane) : 1.0f;
+    }
+#endif
     q8_0_warp_row(cond, m, blockIdx.x * nw + warp, lane);
     __threadfence();
     __syncthreads();
@@ -785,7 +827,20 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) xs[i] = __ldcg(a.out + i);
     __syncthreads();
     const float scale = rms_scale_block(xs, n, a.eps);
+#if Q8_NORM_W_EARLY
+#pragma unroll
+    for (u32 k = 0; k < 4; k++) {
+        const u32 blk = warp + k * nw, i = blk * 32 + lane;
+        if (blk >= n / 32) break;
+        const float v = xs[i] * scale;
+        const float o = a.norm_w ? v * w_early[k] : v;
+        a.tail_out[i] = o;
+        quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blk, lane);
+    }
+    for (u32 blk = warp + 4 * nw; blk < n / 32; blk += nw) {
+#else
     for (u32 blk = warp; blk < n / 32; blk += nw) {
+#endif
         const u32 i = blk * 32 + lane;
         const float v = xs[i] * scale;
         const float o = a.norm_w ? v * a.norm_w[i] : v;

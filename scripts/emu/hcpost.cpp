@@ -2,8 +2,8 @@
 // inputs: hc_post (storing its chunk sums of squares) then hc_pre reading them, against one
 // hc_pre that runs the post itself (the post_* arguments: plan.rs `hc_post_inside`). Compares
 // every output bit for bit: the streams, the Add's sum, flat, mix, split, cur, norm, its Q8_0 and
-// Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks). Prints a checksum of hc_post's outputs too, so two builds of
-// the kernels can be compared with each other.
+// Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks). Prints checksums of hc_post's and hc_pre's outputs too, so two
+// builds of the kernels (e.g. DS4_CUDA_DEFINES variants) can be compared with each other.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -92,8 +92,14 @@ static int run(const char* what, u32 n_embd, bool add) {
               differ("xk", o1.xk, o2.xk) + differ("tickets", o1.tickets, o2.tickets);
     if (add) bad += differ("sum", o1.sum, o2.sum);
     for (u32 t : o1.tickets) bad += t != 0;
-    printf("%-24s n_embd %5u%s: %s (hc_post checksum %016llx)\n", what, n_embd, add ? ", with the add" : "",
-           bad ? "DIFFER" : "same bits", (unsigned long long)post_sum);
+    const u64 pre_sum = checksum(o1.flat.data(), o1.flat.size()) ^ checksum(o1.mix.data(), o1.mix.size()) * 3 ^
+                        checksum(o1.split.data(), o1.split.size()) * 5 ^ checksum(o1.cur.data(), n_embd) * 7 ^
+                        checksum(o1.norm.data(), n_embd) * 11 ^ checksum(o1.xd.data(), o1.xd.size()) * 13 ^
+                        checksum((const float*)o1.xq.data(), n_embd / 4) * 17 ^
+                        checksum((const float*)o1.xk.data(), o1.xk.size() / 4) * 19;
+    printf("%-24s n_embd %5u%s: %s (hc_post checksum %016llx, hc_pre %016llx)\n", what, n_embd,
+           add ? ", with the add" : "", bad ? "DIFFER" : "same bits", (unsigned long long)post_sum,
+           (unsigned long long)pre_sum);
     return bad;
 }
 
