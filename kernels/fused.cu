@@ -404,7 +404,7 @@ __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const f
 #define HC_PRE_WARPS 16
 // Measured variants (default off): HC_PRE_Q8K_APART, the experts' Q8_K on the tail block's idle
 // warps; HC_PRE_TAIL_PREFETCH, the pre-gates group's blocks ask L1 for what a tail reads (norm
-// weights, base, the streams) before their ticket.
+// weights, base, scale, the streams) before their ticket.
 #ifndef HC_PRE_Q8K_APART
 #define HC_PRE_Q8K_APART 0
 #endif
@@ -635,6 +635,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     if (HC_PRE_TAIL_PREFETCH && group_pre) {
         prefetch_l1(a.norm_w, a.n_embd);
         prefetch_l1(a.base, 4);
+        prefetch_l1(a.scale, 1);
     }
     ds4_wait_predecessor(cond);
     float scale;
