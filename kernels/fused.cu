@@ -595,14 +595,15 @@ __device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, cons
     const bool apart = HC_PRE_Q8K_APART && a.xk && 2 * ne_chunks <= HC_PRE_WARPS;
     const bool first = warp < ne_chunks;
     const u32 ch = first ? warp : warp - ne_chunks;
+    const bool busy = first || (apart && ch < ne_chunks);
     HcPreChunk cc;
-    if (first || (apart && ch < ne_chunks)) {
+    if (busy) {
         const float sq = hc_pre_cur_chunk(a, pre, ch, lane, &cc, first);
         if (first && lane == 0) cur_ss[ch] = sq;
     }
     __syncthreads();
     HC_STAGE(6);
-    if (first || (apart && ch < ne_chunks)) {
+    if (busy) {
         float ss2 = 0.0f;
         for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
         const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
@@ -812,15 +813,18 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) xs[i] = __ldcg(a.out + i);
     __syncthreads();
     const float scale = rms_scale_block(xs, n, a.eps);
+    // Stores output block blk's normalized value o (lane's) and its Q8_0.
+    const auto norm_block = [&](u32 blk, float o) {
+        a.tail_out[blk * 32 + lane] = o;
+        quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blk, lane);
+    };
 #if Q8_NORM_W_EARLY
 #pragma unroll
     for (u32 k = 0; k < 4; k++) {
-        const u32 blk = warp + k * nw, i = blk * 32 + lane;
+        const u32 blk = warp + k * nw;
         if (blk >= n / 32) break;
-        const float v = xs[i] * scale;
-        const float o = a.norm_w ? v * w_early[k] : v;
-        a.tail_out[i] = o;
-        quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blk, lane);
+        const float v = xs[blk * 32 + lane] * scale;
+        norm_block(blk, a.norm_w ? v * w_early[k] : v);
     }
     for (u32 blk = warp + 4 * nw; blk < n / 32; blk += nw) {
 #else
@@ -828,9 +832,7 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
 #endif
         const u32 i = blk * 32 + lane;
         const float v = xs[i] * scale;
-        const float o = a.norm_w ? v * a.norm_w[i] : v;
-        a.tail_out[i] = o;
-        quantize_q8_0_warp(o, a.tail_xq, a.tail_xd, blk, lane);
+        norm_block(blk, a.norm_w ? v * a.norm_w[i] : v);
     }
     if (threadIdx.x == 0) a.tickets[a.ticket] = 0;
 }

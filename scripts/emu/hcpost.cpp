@@ -2,8 +2,9 @@
 // inputs: hc_post (storing its chunk sums of squares) then hc_pre reading them, against one
 // hc_pre that runs the post itself (the post_* arguments: plan.rs `hc_post_inside`). Compares
 // every output bit for bit: the streams, the Add's sum, flat, mix, split, cur, norm, its Q8_0 and
-// Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks). Prints checksums of hc_post's and hc_pre's outputs too, so two
-// builds of the kernels (e.g. DS4_CUDA_DEFINES variants) can be compared with each other.
+// Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks). Prints checksums
+// of hc_post's and hc_pre's outputs too, so two builds of the kernels (e.g. DS4_CUDA_DEFINES
+// variants) can be compared with each other.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
