@@ -82,10 +82,11 @@ __device__ __forceinline__ void ds4_trace_note(u64 cond, u32 slot) {
 #endif
 
 // `cond` is the launch's predicate word (for the trace only).
-__device__ __forceinline__ void ds4_wait_predecessor(u64 cond) {
+// With `trigger` false the kernel signals its successor itself, later (ds4_trigger_successor).
+__device__ __forceinline__ void ds4_wait_predecessor(u64 cond, bool trigger = true) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    ds4_trigger_successor();  // a second signal (after the guards' early one) changes nothing
+    if (trigger) ds4_trigger_successor();  // a second signal (after the guards' early one) changes nothing
 #endif
     DS4_TRACE_MARK(1);
 }
