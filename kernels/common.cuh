@@ -82,11 +82,10 @@ __device__ __forceinline__ void ds4_trace_note(u64 cond, u32 slot) {
 #endif
 
 // `cond` is the launch's predicate word (for the trace only).
-// With `trigger` false the kernel signals its successor itself, later (ds4_trigger_successor).
-__device__ __forceinline__ void ds4_wait_predecessor(u64 cond, bool trigger = true) {
+__device__ __forceinline__ void ds4_wait_predecessor(u64 cond) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (trigger) ds4_trigger_successor();  // a second signal (after the guards' early one) changes nothing
+    ds4_trigger_successor();  // a second signal (after the guards' early one) changes nothing
 #endif
     DS4_TRACE_MARK(1);
 }

@@ -611,11 +611,6 @@ __device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, cons
     }
 }
 
-// When hc_pre lets its successor launch (whose blocks then load their weights while hc_pre runs):
-// 0 after its wait, 1 once every block has its mix chunk (the tails remain), 2 at its end.
-#ifndef HC_PRE_TRIGGER
-#define HC_PRE_TRIGGER 0
-#endif
 extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS, HcPreArgs a) {
     DS4_GUARD_EARLY;
     __shared__ bool last;
@@ -628,7 +623,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
-    ds4_wait_predecessor(cond, HC_PRE_TRIGGER == 0);
+    ds4_wait_predecessor(cond);
     float scale;
     // The streams this warp's chunk reads: `x` itself, or (the HC post fused in front) the
     // post's outputs as this block computes them.
@@ -664,7 +659,6 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         if (r == 0)
             for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = xc[i] * scale;
     }
-    if (HC_PRE_TRIGGER == 1) ds4_trigger_successor();
     __threadfence();
     __syncthreads();
     if (!DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(7);  // the last block at its ticket
@@ -794,11 +788,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1) mat_vec_q8_0_quant(DS4_ARG
 #ifndef Q8_NORM_W_EARLY
 #define Q8_NORM_W_EARLY 1
 #endif
-// When the successor may launch: after the wait (0), once every block has its rows (1: its blocks
-// then do not compete with this launch's rows, only with the norm tail), or at the end (2).
-#ifndef Q8_NORM_LATE_TRIGGER
-#define Q8_NORM_LATE_TRIGGER 0
-#endif
 extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
     DS4_GUARD_EARLY;
     const MatVecQ80Args m = {a.w, a.xq, a.xd, a.out, a.w2, a.out2, a.in_dim, a.rows, a.rows_per_group, a.rows2};
@@ -811,8 +800,7 @@ extern "C" __global__ void mat_vec_q8_0_norm(DS4_ARGS, MatVecQ80TailArgs a) {
         w_early[k] = a.norm_w && blk < a.rows / 32 ? __ldg(a.norm_w + blk * 32 + lane) : 1.0f;
     }
 #endif
-    q8_0_warp_row<Q8_EARLY_CHUNKS, Q8_NORM_LATE_TRIGGER == 0>(cond, m, blockIdx.x * nw + warp, lane);
-    if (Q8_NORM_LATE_TRIGGER == 1) ds4_trigger_successor();
+    q8_0_warp_row(cond, m, blockIdx.x * nw + warp, lane);
     __threadfence();
     __syncthreads();
     __shared__ bool last;

@@ -49,16 +49,6 @@ __device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, 
 #endif
 }
 
-// 16 bytes from global to shared memory without passing through registers; cp_async_wait waits
-// for all of this thread's copies.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // Chunks whose weights a lane loads before waiting for the previous kernel.
 #define Q8_EARLY_CHUNKS 4
 
@@ -332,6 +322,15 @@ static_assert(Q8T_NT % 2 == 0, "B fragments by pairs of token tiles");
 
 __device__ __forceinline__ constexpr u32 bit_reverse2(u32 s) { return ((s & 1) << 1) | ((s & 2) >> 1); }
 
+// 16 bytes from global to shared memory without passing through registers; cp_async_wait waits
+// for all of this thread's copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // Four 8 x 8 matrices of b16 from shared memory (lanes 8 q .. 8 q + 7 give matrix q's row
 // addresses); register q of lane l holds 4 bytes (l % 4) of row l / 4 of matrix q. Volatile so
 // that it stays between the barriers around it.
@@ -596,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
 // Row rr of the launch (the first matrix's rows, then the second's) by one warp: its weights'
 // first chunks loaded, then the wait for the previous kernel, then the sums; lane 0 stores it.
 // Returns the row's value in every lane (0 past the rows).
-template <u32 EARLY = Q8_EARLY_CHUNKS, bool TRIGGER = true>
+template <u32 EARLY = Q8_EARLY_CHUNKS>
 __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a, u32 rr, u32 lane) {
     const bool second = rr >= a.rows;
     const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
@@ -611,7 +610,7 @@ __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a,
         const u32 b = u * DS4_BLOCK_CHUNK + lane;
         if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
-    ds4_wait_predecessor(cond, TRIGGER);
+    ds4_wait_predecessor(cond);
     if (!live) return 0.0f;
     const u32 g = second ? 0 : r / a.rows_per_group;
     const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
@@ -645,60 +644,6 @@ extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;
     q8_0_warp_row(cond, a, blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), threadIdx.x & 31);
 }
-
-// mat_vec_q8_0 with most of its weights staged in shared memory before the PDL wait, for a matrix
-// that follows a latency-bound launch (mod.rs q8_staged picks them): while the previous launch's
-// tail runs, the memory bus would idle; here a block per SM copies the first of its contiguous rows
-// (quants, then scales: Q8S_BYTES of dynamic shared memory at most) with cp.async, and each warp
-// takes its first row past the staged ones as q8_0_warp_row does (first chunks into registers
-// before the wait). Then the staged rows, a warp per row: q8_0_term on the same blocks, chunk sums
-// in the same order, so the same bits as mat_vec_q8_0. Split layout, one matrix (rows2 0) and nb a
-// multiple of 8 (16-byte aligned scale ranges): the host checks.
-#ifndef Q8S_BYTES
-#define Q8S_BYTES (200 * 1024)
-#endif
-#ifndef Q8S_THREADS
-#define Q8S_THREADS 1024
-#endif
-#if !DS4_NATIVE_BLOCKS
-extern "C" __global__ void __launch_bounds__(Q8S_THREADS) mat_vec_q8_0_staged(DS4_ARGS, MatVecQ80Args a) {
-    DS4_GUARD_EARLY;
-    ds4_check_dynamic_smem(Q8S_BYTES);
-    extern __shared__ __align__(16) u8 q8s_stage[];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const u32 nb = a.in_dim / 32, rows = a.rows;
-    const u32 per = (rows + gridDim.x - 1) / gridDim.x;
-    const u32 r0 = min(blockIdx.x * per, rows), r1 = min(r0 + per, rows);
-    const u32 staged = min(r1 - r0, (u32)Q8S_BYTES / (nb * 34));
-    u8* sq = q8s_stage;
-    u8* ss = q8s_stage + (u64)staged * nb * 32;
-    const u8* wq = a.w + (u64)r0 * nb * 32;
-    const u8* ws = a.w + (u64)rows * nb * 32 + (u64)r0 * nb * 2;
-    for (u32 i = threadIdx.x; i < staged * nb * 2; i += blockDim.x) cp_async16(sq + 16 * i, wq + 16 * i);
-    for (u32 i = threadIdx.x; i < staged * nb / 8; i += blockDim.x) cp_async16(ss + 16 * i, ws + 16 * i);
-    // The rows past the staged ones, from global memory (each call waits for the previous kernel).
-    for (u32 k = staged + warp; k < r1 - r0; k += warps) q8_0_warp_row<2>(cond, a, r0 + k, lane);
-    ds4_wait_predecessor(cond);
-    cp_async_wait();
-    __syncthreads();
-    const int4* sq4 = (const int4*)sq;
-    const u16* ss2 = (const u16*)ss;
-    for (u32 k = warp; k < staged; k += warps) {
-        const u32 r = r0 + k;
-        const u32 g = r / a.rows_per_group;
-        const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
-        const float* dx = a.xd + (u64)g * nb;
-        float total = 0.0f;
-        for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
-            float acc = 0.0f;
-            const u32 b = c + lane;
-            if (b < nb) acc += q8_0_term(sq4[2 * (k * nb + b)], sq4[2 * (k * nb + b) + 1], ss2[k * nb + b], x4, dx, b);
-            total += warp_sum(acc);
-        }
-        if (lane == 0) a.out[r] = total;
-    }
-}
-#endif
 #endif
 
 // The 16 halves a lane reads of one 512-term chunk of an F16 row (8 consecutive per lane step);

@@ -305,54 +305,6 @@ mod imp {
         Ok(())
     }
     const INDEXER_ONE_KERNEL: &str = "indexer_scores_one";
-
-    /// A decode `mat_vec_q8_0` that follows a latency-bound launch on its stream may stage most of
-    /// its weights in shared memory before its PDL wait (kernels/matvec.cu `mat_vec_q8_0_staged`,
-    /// the same bits), so that they stream while that launch's tail runs. `DS4_CUDA_Q8_STAGED`
-    /// lists the kernels it may follow (comma separated; `side:K` for the side stream); default
-    /// none, until measured. One block per SM, `q8_staged_bytes` of shared memory each; matrices
-    /// of more than twice what the blocks hold (the LM head) keep `mat_vec_q8_0`.
-    fn q8_staged(r: &mut Resolved, after: &str, sms: u32, funcs: &mut Functions) -> Result<(), BackendError> {
-        if r.kernel != "mat_vec_q8_0" {
-            return Ok(());
-        }
-        let want = if r.side { format!("side:{after}") } else { after.to_string() };
-        let list = std::env::var("DS4_CUDA_Q8_STAGED").unwrap_or_default();
-        if !list.split(',').any(|k| k == want) {
-            return Ok(());
-        }
-        let a = bytemuck::try_pod_read_unaligned::<args::MatVecQ80Args>(bytemuck::cast_slice(&r.args))
-            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
-        let (nb, stage) = (a.in_dim as u64 / 32, q8_staged_bytes() as u64);
-        let bytes = a.rows as u64 * nb * 34;
-        if a.rows2 != 0 || !nb.is_multiple_of(8) || nb * 34 > stage || bytes > 2 * stage * sms as u64 {
-            return Ok(());
-        }
-        r.kernel = Q8_STAGED_KERNEL;
-        r.func = funcs.get(Q8_STAGED_KERNEL)?;
-        r.grid = sms;
-        r.block = q8_staged_threads();
-        r.smem = stage as u32;
-        opt_in_smem(r)?;
-        // The carveout at its largest: the default is only a hint.
-        r.func
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                100,
-            )
-            .map_err(drv(&format!("{Q8_STAGED_KERNEL}: shared memory carveout")))
-    }
-    const Q8_STAGED_KERNEL: &str = "mat_vec_q8_0_staged";
-    /// Threads of a `mat_vec_q8_0_staged` block: `DS4_CUDA_Q8_STAGED_THREADS` (default 1024).
-    fn q8_staged_threads() -> u32 {
-        let t = std::env::var("DS4_CUDA_Q8_STAGED_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
-        t.unwrap_or(1024).clamp(64, 1024) / 32 * 32
-    }
-    /// Shared memory a `mat_vec_q8_0_staged` block stages: `DS4_CUDA_Q8_STAGED_KB` (default 200).
-    fn q8_staged_bytes() -> u32 {
-        let kb = std::env::var("DS4_CUDA_Q8_STAGED_KB").ok().and_then(|v| v.parse::<u32>().ok());
-        kb.unwrap_or(200).clamp(16, 227) * 1024
-    }
     const INDEXER_ONE_ROWS: u32 = 32;
 
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
@@ -523,9 +475,7 @@ mod imp {
             KernelRows::Chunk => {
                 format!("#define HC_MIX_TR {}\n#define HC_MIX_TT {}\n", mix_rows / 16, mix_tokens / 16)
             }
-            KernelRows::One => {
-                format!("#define Q8S_BYTES {}\n#define Q8S_THREADS {}\n", q8_staged_bytes(), q8_staged_threads())
-            }
+            KernelRows::One => String::new(),
         };
         format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{split}{mix}{tuning}")
             + &args::c_header()
@@ -1241,9 +1191,6 @@ mod imp {
                 // Room for the kernels, graphs and the context's own allocations.
                 None => (free as u64).saturating_sub(HEADROOM),
             };
-            let sms = ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(drv("cannot read the device's attributes"))? as u32;
             let integrated = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
                 .map_err(drv("cannot read the device's attributes"))?
@@ -1507,14 +1454,10 @@ mod imp {
             };
             let mut funcs = Functions { module: module.clone(), loaded: Vec::new() };
             let mut resolve_all = |p: &plan::Plan, traced: bool| -> Result<Vec<Resolved>, BackendError> {
-                let mut out: Vec<Resolved> = Vec::with_capacity(p.launches.len());
+                let mut out = Vec::with_capacity(p.launches.len());
                 for (i, l) in p.launches.iter().enumerate() {
                     let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
                     indexer_one(&mut r, &mut funcs)?;
-                    if layout == BlockLayout::Split {
-                        let after = out.iter().rev().find(|o| o.side == r.side).map_or("", |o| o.kernel);
-                        q8_staged(&mut r, after, sms, &mut funcs)?;
-                    }
                     if traced && i < plan::TRACE_LAUNCHES {
                         r.cond |= (i as u64 + 1) << plan::TRACE_SHIFT;
                     }

@@ -42,7 +42,6 @@ body = body.replace(
     "extern __shared__ __align__(16) float attn_w_smem[];", "static __align__(16) float attn_w_smem[ATTN_W_SMEM / 4];"
 )
 body = body.replace("extern __shared__ __align__(16) u8 gut_smem[];", "static __align__(16) u8 gut_smem[GUT_SMEM];")
-body = body.replace("extern __shared__ __align__(16) u8 q8s_stage[];", "static __align__(16) u8 q8s_stage[Q8S_BYTES];")
 # The int8 MMA wrappers (kernels/moe.cu mma_s8_k32: d, a, b) call the emulator's warp collective.
 body = re.sub(
     r'asm\("mma\.sync\.aligned\.m16n8k(16|32)\.row\.col\.s32\.s8\.s8\.s32 .*?\);',
