@@ -424,55 +424,12 @@ __device__ __forceinline__ float ordered_sum_lanes(const float* v, u32 n, u32 la
     return total;
 }
 
-// HC_PRE_CLUSTER 1 (with DS4_CUDA_HC_PRE_CLUSTER=1, which also launches hc_pre in clusters of 8
-// blocks when its pre-gates group is 8 blocks, as on Flash): that group is one cluster, its chunk
-// sums stay in each block's shared memory, and block 0 reads them there (distributed shared
-// memory) after a cluster barrier, in place of the global stores, fence and ticket. The same sums
-// in the same order: the same bits.
-#ifndef HC_PRE_CLUSTER
-#define HC_PRE_CLUSTER 0
-#endif
-#if HC_PRE_CLUSTER && !DS4_CHUNK_ROWS
-__device__ __forceinline__ u32 cluster_blocks() {
-    u32 n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 n;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(n));
-    return n;
-}
-// Every thread of every block of the cluster (this block's shared memory writes visible to them).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The float at `p` in this block's shared memory, as block `rank` of the cluster holds it.
-__device__ __forceinline__ float cluster_load(const float* p, u32 rank) {
-    u32 m;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(m) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(m) : "memory");
-    return v;
-}
-#endif
-
 // A group's last block: the chunk sums of mix rows first .. first+rows, staged in shared memory
-// by all threads at once, then each row's added in order by one thread. The sums come from
-// `a.partial`, or with `cl_part` from the shared memory of the cluster's blocks (HC_PRE_CLUSTER).
-__device__ __forceinline__ void hc_pre_mix_rows(const HcPreArgs& a, u32 first, u32 rows, float* mix,
-                                                const float* cl_part = nullptr) {
+// by all threads at once, then each row's added in order by one thread.
+__device__ __forceinline__ void hc_pre_mix_rows(const HcPreArgs& a, u32 first, u32 rows, float* mix) {
     __shared__ float sums[HC_PRE_MAX_PARTIALS];
     const u32 nc = a.n_chunks, base = first * nc;
-    for (u32 i = threadIdx.x; i < rows * nc; i += blockDim.x) {
-#if HC_PRE_CLUSTER && !DS4_CHUNK_ROWS
-        if (cl_part) {
-            sums[i] = cluster_load(cl_part + i % HC_PRE_WARPS, i / HC_PRE_WARPS);
-            continue;
-        }
-#endif
-        sums[i] = __ldcg(a.partial + base + i);
-    }
+    for (u32 i = threadIdx.x; i < rows * nc; i += blockDim.x) sums[i] = __ldcg(a.partial + base + i);
     __syncthreads();
     if (threadIdx.x < rows) {
         float total = 0.0f;
@@ -696,39 +653,12 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
 #endif
     if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
     else scale = rms_scale_block(a.x, n, a.eps_flat);
-#if HC_PRE_CLUSTER && !DS4_CHUNK_ROWS
-    __shared__ float cl_part[HC_PRE_WARPS];
-    const bool clustered = group_pre && cluster_blocks() == a.blocks_pre;
-#else
-    const bool clustered = false;
-#endif
     if (live) {
         const float s = warp_sum(chunk_dot_f16_scaled(chunk, xc, scale, n - c, lane));
-#if HC_PRE_CLUSTER && !DS4_CHUNK_ROWS
-        if (lane == 0 && clustered) cl_part[warp] = s;
-#endif
-        if (lane == 0 && !clustered) a.partial[r * nc + c / DS4_CHUNK] = s;
+        if (lane == 0) a.partial[r * nc + c / DS4_CHUNK] = s;
         if (r == 0)
             for (u32 i = lane; i < min((u32)DS4_CHUNK, n - c); i += 32) a.flat[c + i] = xc[i] * scale;
     }
-#if HC_PRE_CLUSTER && !DS4_CHUNK_ROWS
-    if (clustered) {
-        // Block b's warp w holds chunk sum b * HC_PRE_WARPS + w of rows 0..4 (all its warps live).
-        cluster_sync();
-        if (!DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(7);
-        const bool lead = cluster_rank() == 0;
-        __shared__ float mix[32];
-        if (lead) {
-            DS4_TRACE_MARK(3);
-            hc_pre_mix_rows(a, 0, 4, mix, cl_part);
-        }
-        cluster_sync();  // block 0 has read them: the others may leave
-        if (!lead) return;
-        hc_pre_finish(cond, a, mix);
-        DS4_TRACE_MARK(4);
-        return;
-    }
-#endif
     __threadfence();
     __syncthreads();
     if (!DS4_TRACE_HC_STAGES) DS4_TRACE_MARK(7);  // the last block at its ticket

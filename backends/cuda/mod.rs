@@ -305,24 +305,6 @@ mod imp {
         Ok(())
     }
     const INDEXER_ONE_KERNEL: &str = "indexer_scores_one";
-
-    /// `DS4_CUDA_HC_PRE_CLUSTER=1`: `hc_pre` built with HC_PRE_CLUSTER and launched in clusters of
-    /// 8 blocks when its pre-gates group is 8 blocks and the grid a whole number of clusters
-    /// (kernels/fused.cu: that group's chunk sums then meet in distributed shared memory).
-    fn hc_pre_cluster_on() -> bool {
-        env_is("DS4_CUDA_HC_PRE_CLUSTER", "1")
-    }
-    fn hc_pre_cluster(r: &mut Resolved) -> Result<(), BackendError> {
-        if r.kernel != "hc_pre" || !hc_pre_cluster_on() {
-            return Ok(());
-        }
-        let a = bytemuck::try_pod_read_unaligned::<args::HcPreArgs>(bytemuck::cast_slice(&r.args))
-            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
-        if a.blocks_pre == 8 && r.grid.is_multiple_of(8) {
-            r.cluster = 8;
-        }
-        Ok(())
-    }
     const INDEXER_ONE_ROWS: u32 = 32;
 
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
@@ -493,7 +475,6 @@ mod imp {
             KernelRows::Chunk => {
                 format!("#define HC_MIX_TR {}\n#define HC_MIX_TT {}\n", mix_rows / 16, mix_tokens / 16)
             }
-            KernelRows::One if hc_pre_cluster_on() => "#define HC_PRE_CLUSTER 1\n".to_string(),
             KernelRows::One => String::new(),
         };
         format!("#define DS4_NATIVE_BLOCKS {native}\n#define DS4_CHUNK_ROWS {chunk}\n{token_rows}{split}{mix}{tuning}")
@@ -682,7 +663,7 @@ mod imp {
         };
         let (words, _) = args::encode(&a);
         let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-        launch_with(stream, func, 0, (grid, 1), 256, 0, &[0; args::ROW_STRIDES], &words, (0, 1), false)
+        launch_with(stream, func, 0, (grid, 1), 256, 0, &[0; args::ROW_STRIDES], &words, 0, false)
             .map_err(drv(&format!("cannot generate '{}'", t.name)))?;
         Ok(d)
     }
@@ -810,7 +791,7 @@ mod imp {
         cond: u64,
         strides: &args::RowStrides,
         args: &[u64],
-        (smem, cluster): (u32, u32),
+        smem: u32,
         pdl: bool,
     ) -> Result<(), result::DriverError> {
         use cudarc::driver::sys;
@@ -824,7 +805,7 @@ mod imp {
             r.as_mut_ptr() as *mut c_void,
             a.as_mut_ptr() as *mut c_void,
         ];
-        if !pdl && cluster <= 1 {
+        if !pdl {
             // SAFETY: the kernel's parameters are (const StepParams*, u64, RowStrides, XArgs);
             // `r` holds RowStrides and `a` the bytes of XArgs (the structs args.rs declares and
             // the kernel source is generated from), and the driver copies all four before
@@ -844,20 +825,9 @@ mod imp {
         }
         // SAFETY: a zeroed attribute is a valid plain-data value; its id and the union field
         // that id selects are set next.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut n = 0;
-        if pdl {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if cluster > 1 {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim.x = cluster;
-            attrs[n].value.clusterDim.y = 1;
-            attrs[n].value.clusterDim.z = 1;
-            n += 1;
-        }
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: grid,
             gridDimY: rows,
@@ -867,10 +837,10 @@ mod imp {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
+            attrs: &mut attr,
+            numAttrs: 1,
         };
-        // SAFETY: as above for the parameters; `config` and `attrs` outlive the call, which
+        // SAFETY: as above for the parameters; `config` and `attr` outlive the call, which
         // copies them.
         unsafe { sys::cuLaunchKernelEx(&config, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }.result()
     }
@@ -947,8 +917,6 @@ mod imp {
         strides: args::RowStrides,
         /// Dynamic shared memory per block, in bytes (0 but for [`Q8_TILE_KERNEL`]).
         smem: u32,
-        /// Blocks per thread block cluster (1: no clusters; [`hc_pre_cluster`]).
-        cluster: u32,
     }
 
     impl Resolved {
@@ -964,7 +932,7 @@ mod imp {
                 self.cond,
                 &self.strides,
                 &self.args,
-                (self.smem, self.cluster),
+                self.smem,
                 pdl,
             )
         }
@@ -1087,7 +1055,6 @@ mod imp {
             row,
             strides,
             smem: 0,
-            cluster: 1,
         })
     }
 
@@ -1491,7 +1458,6 @@ mod imp {
                 for (i, l) in p.launches.iter().enumerate() {
                     let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
                     indexer_one(&mut r, &mut funcs)?;
-                    hc_pre_cluster(&mut r)?;
                     if traced && i < plan::TRACE_LAUNCHES {
                         r.cond |= (i as u64 + 1) << plan::TRACE_SHIFT;
                     }
@@ -1604,7 +1570,7 @@ mod imp {
             block: u32,
             args: &[u64],
         ) -> Result<(), result::DriverError> {
-            launch_with(&self.stream, func, 0, (grid, 1), block, 0, &[0; args::ROW_STRIDES], args, (0, 1), self.pdl)
+            launch_with(&self.stream, func, 0, (grid, 1), block, 0, &[0; args::ROW_STRIDES], args, 0, self.pdl)
         }
 
         fn capture(&self) -> Result<CudaGraph, result::DriverError> {
