@@ -813,12 +813,6 @@ static_assert(2 * ATTN_R2_BM_WORDS <= 16 * 4 * ATTN_ROWS_THREADS, "the bitmap an
 #define ATTN_R2_PROW 68
 static_assert(8 * ATTN_ROWS_TILE * ATTN_R2_PROW <= 8 * 1024, "the level-one sums fit beside the softmax buffers");
 
-// 16 bytes from global to shared memory without registers (kernels/matvec.cu's cp_async16).
-__device__ __forceinline__ void attn_cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void attn_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_rows2(DS4_ARGS, AttentionArgs a0) {
     ds4_wait_predecessor(cond);
     extern __shared__ __align__(16) float attn_r2_smem[];
@@ -984,7 +978,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
             float* const dst = tiles + (b * ATTN_ROWS_TILE + warp) * 512 + 4 * lane;
 #pragma unroll
             for (u32 k = 0; k < 4; k++)
-                if (4 * lane + 128 * k < head_dim) attn_cp_async16(dst + 128 * k, src + 128 * k);
+                if (4 * lane + 128 * k < head_dim) cp_async16(dst + 128 * k, src + 128 * k);
         };
         // The previous pass's last reads of the tiles and acc are done.
         __syncthreads();
@@ -1008,7 +1002,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
         for (u32 t0 = 0, it = 0; t0 < n_univ; t0 += ATTN_ROWS_TILE, it++) {
             // This tile's copies are done (each thread's own), then everyone's; the other buffer
             // is free (its tile's math is done).
-            attn_cp_async_wait();
+            cp_async_wait();
             __syncthreads();
             if (t0 + ATTN_ROWS_TILE < n_univ) issue_tile(t0 + ATTN_ROWS_TILE, (it + 1) & 1);
             if (!on) continue;
@@ -1083,7 +1077,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_ROWS_THREADS, 2) attention_row
         load_weight(0);
         for (u32 t0 = 0, it = 0; t0 < n_univ; t0 += ATTN_ROWS_TILE, it++) {
             const u32 b = it & 1;
-            attn_cp_async_wait();
+            cp_async_wait();
             wt[b * ATTN_ROWS_TILE * 2 * ATTN_ROWS_HEADS + tid] = wpf;
             __syncthreads();
             if (t0 + ATTN_ROWS_TILE < n_univ) {
@@ -1235,7 +1229,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
         float* const dst = tiles + (b * ATTN_WIDE_TILE + warp) * 512 + 4 * lane;
 #pragma unroll
         for (u32 k = 0; k < 4; k++)
-            if (4 * lane + 128 * k < head_dim) attn_cp_async16(dst + 128 * k, src + 128 * k);
+            if (4 * lane + 128 * k < head_dim) cp_async16(dst + 128 * k, src + 128 * k);
     };
     // The tiles' zeros are written before any copy lands beside them.
     __syncthreads();
@@ -1258,7 +1252,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
     for (u32 t0 = 0, it = 0; t0 < n_rows; t0 += ATTN_WIDE_TILE, it++) {
         // This tile's copies are done (each thread's own), then everyone's; the other buffer is
         // free (its tile's math is done).
-        attn_cp_async_wait();
+        cp_async_wait();
         __syncthreads();
         if (t0 + ATTN_WIDE_TILE < n_rows) {
             issue_tile(t0 + ATTN_WIDE_TILE, (it + 1) & 1, ci);
@@ -1327,7 +1321,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WIDE_THREADS, 2) attention_row
     load_weight(0);
     for (u32 t0 = 0, it = 0; t0 < n_rows; t0 += ATTN_WIDE_TILE, it++) {
         const u32 b = it & 1;
-        attn_cp_async_wait();
+        cp_async_wait();
         wt[b * ATTN_WIDE_TILE * ATTN_WIDE_HEADS + tid] = wpf;
         __syncthreads();
         if (t0 + ATTN_WIDE_TILE < n_rows) {

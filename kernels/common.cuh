@@ -21,15 +21,44 @@ __device__ __forceinline__ bool ds4_cond(const StepParams* P, u64 cond) {
     return (P->pos + 1) / ratio > top_k;
 }
 
+// The dynamic shared memory the launch gave the block, in bytes.
+__device__ __forceinline__ u32 ds4_dynamic_smem() {
+    u32 bytes = 0;
+#if __CUDA_ARCH__
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+#endif
+    return bytes;
+}
+
 // Traps when the launch gave less dynamic shared memory than `need` bytes: the host sizes it
 // (mod.rs), so a smaller one is a bug, caught here rather than as a stray write.
 __device__ __forceinline__ void ds4_check_dynamic_smem(u32 need) {
-#if __CUDA_ARCH__
-    u32 bytes;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    if (bytes < need) __trap();
+    if (ds4_dynamic_smem() < need) __trap();
+}
+
+// A weight stream's load (the Q8_0 and F16 matvecs, the experts): read once a token, so with
+// DS4_WEIGHT_EVICT_FIRST 1 it goes through L2 as evict-first (ld.global.cs), leaving L2 to the
+// code, activations and partial sums the latency chains read back (0: __ldg).
+#ifndef DS4_WEIGHT_EVICT_FIRST
+#define DS4_WEIGHT_EVICT_FIRST 0
+#endif
+template <class T> __device__ __forceinline__ T ds4_wld(const T* p) {
+#if DS4_WEIGHT_EVICT_FIRST
+    return __ldcs(p);
+#else
+    return __ldg(p);
 #endif
 }
+
+// 16 (4) bytes from global to shared memory without passing through registers; cp_async_wait
+// waits for all of this thread's copies. (scripts/emu/gen.py maps these asm lines.)
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Programmatic dependent launch (sm_90 on): the host may start a kernel while the one before it
 // finishes. Each kernel waits until its predecessor has completed and its writes are visible (a

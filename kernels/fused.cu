@@ -408,6 +408,11 @@ __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const f
 #ifndef HC_PRE_Q8K_APART
 #define HC_PRE_Q8K_APART 1
 #endif
+// With the HC post inside (decode build) and 5 * n_embd floats of dynamic shared memory (mod.rs
+// hc_pre_smem), each block keeps the four streams it computes there, so its projection chunks and
+// the pre gates' tail read them from shared memory instead of L1 or L2, and the pre gates' blocks
+// copy the norm weights there before their wait (the tail read them from L2 or DRAM after the
+// ticket). The same values, so the same bits.
 
 // The sum from +0 of v[0..n] in order, where lane k of the warp holds v[k0 + k]; every lane
 // gets it.
@@ -447,6 +452,9 @@ __device__ __forceinline__ void hc_pre_mix_rows(const HcPreArgs& a, u32 first, u
 #ifndef DS4_TRACE_HC_STAGES
 #define DS4_TRACE_HC_STAGES 0
 #endif
+#ifndef DS4_TRACE_HC_TAIL_TWICE
+#define DS4_TRACE_HC_TAIL_TWICE 0
+#endif
 #define HC_STAGE(slot)                     \
     if (DS4_TRACE_HC_STAGES) {             \
         DS4_TRACE_MARK(slot);              \
@@ -460,24 +468,24 @@ struct HcPreChunk {
     float v[4][4];
     bool ok[4];
 };
-__device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const float* pre, u32 ch, u32 lane, HcPreChunk* c,
-                                                  bool store) {
+__device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const float* xs, const float* pre, u32 ch, u32 lane,
+                                                  HcPreChunk* c, bool store) {
     const u32 ne = a.n_embd;
-    float4 xs[4][4];
+    float4 xv[4][4];
 #pragma unroll
     for (u32 u = 0; u < 4; u++) {
         const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
         c->ok[u] = d < ne;
 #pragma unroll
-        for (u32 h = 0; h < 4; h++) xs[u][h] = c->ok[u] ? *(const float4*)(a.x + h * ne + d) : make_float4(0, 0, 0, 0);
+        for (u32 h = 0; h < 4; h++) xv[u][h] = c->ok[u] ? *(const float4*)(xs + h * ne + d) : make_float4(0, 0, 0, 0);
     }
     float sq = 0.0f;
 #pragma unroll
     for (u32 u = 0; u < 4; u++) {
-        const float x[4][4] = {{xs[u][0].x, xs[u][1].x, xs[u][2].x, xs[u][3].x},
-                               {xs[u][0].y, xs[u][1].y, xs[u][2].y, xs[u][3].y},
-                               {xs[u][0].z, xs[u][1].z, xs[u][2].z, xs[u][3].z},
-                               {xs[u][0].w, xs[u][1].w, xs[u][2].w, xs[u][3].w}};
+        const float x[4][4] = {{xv[u][0].x, xv[u][1].x, xv[u][2].x, xv[u][3].x},
+                               {xv[u][0].y, xv[u][1].y, xv[u][2].y, xv[u][3].y},
+                               {xv[u][0].z, xv[u][1].z, xv[u][2].z, xv[u][3].z},
+                               {xv[u][0].w, xv[u][1].w, xv[u][2].w, xv[u][3].w}};
 #pragma unroll
         for (u32 j = 0; j < 4; j++) {
             float acc = 0.0f;
@@ -496,13 +504,13 @@ __device__ __forceinline__ float hc_pre_cur_chunk(const HcPreArgs& a, const floa
     return warp_sum(sq);
 }
 
-__device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, float s2, u32 ch, u32 lane, HcPreChunk* c,
-                                                  bool store, bool q8k) {
+__device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, const float* norm_w, float s2, u32 ch,
+                                                  u32 lane, HcPreChunk* c, bool store, bool q8k) {
     float4 w[4];
 #pragma unroll
     for (u32 u = 0; u < 4; u++) {
         const u32 d = ch * DS4_CHUNK + u * 128 + lane * 4;
-        w[u] = c->ok[u] ? *(const float4*)(a.norm_w + d) : make_float4(0, 0, 0, 0);
+        w[u] = c->ok[u] ? *(const float4*)(norm_w + d) : make_float4(0, 0, 0, 0);
     }
     float o[4][4];
 #pragma unroll
@@ -577,8 +585,10 @@ __device__ __forceinline__ void hc_pre_norm_chunk(u64 cond, const HcPreArgs& a, 
 }
 
 // The first group's tail from the mix rows 0..4 (in shared memory): the pre gates, the weighted
-// sum of the streams and the sublayer norm with its quantizations. All threads of the block.
-__device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, const float* mix) {
+// sum of the streams `xs` (a.x or this block's copy) and the sublayer norm with its weights
+// `norm_w` (a.norm_w or a copy) and its quantizations. All threads of the block.
+__device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, const float* mix, const float* xs,
+                                              const float* norm_w) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __shared__ float pre[4];
     if (threadIdx.x < 4) {
@@ -598,7 +608,7 @@ __device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, cons
     const bool busy = first || (apart && ch < ne_chunks);
     HcPreChunk cc;
     if (busy) {
-        const float sq = hc_pre_cur_chunk(a, pre, ch, lane, &cc, first);
+        const float sq = hc_pre_cur_chunk(a, xs, pre, ch, lane, &cc, first);
         if (first && lane == 0) cur_ss[ch] = sq;
     }
     __syncthreads();
@@ -607,7 +617,7 @@ __device__ __forceinline__ void hc_pre_finish(u64 cond, const HcPreArgs& a, cons
         float ss2 = 0.0f;
         for (u32 k = 0; k < ne_chunks; k++) ss2 += cur_ss[k];
         const float s2 = 1.0f / sqrtf(ss2 / (float)a.n_embd + a.eps_norm);
-        hc_pre_norm_chunk(cond, a, s2, ch, lane, &cc, first, !apart || !first);
+        hc_pre_norm_chunk(cond, a, norm_w, s2, ch, lane, &cc, first, !apart || !first);
     }
 }
 
@@ -623,6 +633,19 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
+    // The streams and norm weights the tail reads: a.x and a.norm_w, or this block's copies.
+    const float* xs = a.x;
+    const float* norm_w = a.norm_w;
+#if !DS4_CHUNK_ROWS
+    extern __shared__ __align__(16) float hc_pre_smem[];
+    const bool kept = a.post_block && ds4_dynamic_smem() >= 5 * a.n_embd * 4;
+    if (kept) {
+        xs = hc_pre_smem;
+        norm_w = hc_pre_smem + 4 * a.n_embd;
+        if (group_pre)
+            for (u32 i = threadIdx.x; i < a.n_embd / 4; i += blockDim.x) cp_async16(hc_pre_smem + 4 * a.n_embd + 4 * i, a.norm_w + 4 * i);
+    }
+#endif
     ds4_wait_predecessor(cond);
     float scale;
     // The streams this warp's chunk reads: `x` itself, or (the HC post fused in front) the
@@ -634,21 +657,21 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     if (a.post_block) {
         // Every block computes the HC post of every chunk for the sums of squares (a warp per
         // 512 positions of all four streams; block 0 also stores the streams and the Add's sum),
-        // then its warps their own chunk again into shared memory: the same values as hc_post's,
-        // so the same bits as the two launches.
+        // then its warps their own chunk again into shared memory (or, kept, find it among the
+        // streams there): the same values as hc_post's, so the same bits as the two launches.
         const HcPostArgs pa = {a.post_block, a.post_block_b, a.post_sum, a.post_residual, a.post_split, (float*)a.x,
                                nullptr,      a.n_embd,       4};
         const u32 nd = a.n_embd / DS4_CHUNK;
         for (u32 dr = warp; dr < nd; dr += HC_PRE_WARPS) {
             float sq[4];
-            hc_post_range(pa, dr, lane, blockIdx.x == 0, sq);
+            hc_post_range(pa, dr, lane, blockIdx.x == 0, sq, kept ? hc_pre_smem : nullptr);
             if (lane == 0)
                 for (u32 dst = 0; dst < 4; dst++) post_ss[dst * nd + dr] = sq[dst];
         }
-        if (live) hc_post_chunk(pa, c / DS4_CHUNK, lane, false, post_x[warp]);
+        if (live && !kept) hc_post_chunk(pa, c / DS4_CHUNK, lane, false, post_x[warp]);
         __syncthreads();
         scale = 1.0f / sqrtf(ordered_sum_lanes(post_ss, nc, lane) / (float)n + a.eps_flat);
-        xc = post_x[warp];
+        xc = kept ? hc_pre_smem + c : post_x[warp];
     } else
 #endif
     if (a.ss) scale = 1.0f / sqrtf(ordered_sum_lanes(a.ss, nc, lane) / (float)n + a.eps_flat);
@@ -665,6 +688,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 ticket = a.ticket + (group_pre ? 0 : 1);
     const u32 group_blocks = group_pre ? a.blocks_pre : gridDim.x - a.blocks_pre;
     if (threadIdx.x == 0) last = atomicAdd(a.tickets + ticket, 1u) == group_blocks - 1;
+    cp_async_wait();  // the norm weights' copies (none issued otherwise), long done by now
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -678,7 +702,16 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         return;
     }
     hc_pre_mix_rows(a, 0, 4, mix);
-    hc_pre_finish(cond, a, mix);
+    hc_pre_finish(cond, a, mix, xs, norm_w);
+#if DS4_TRACE_HC_TAIL_TWICE
+    // A measurement (trace build): the tail again, the same stores of the same values; slot 7 notes
+    // the first pass's end, slot 4 the second's, so a second pass much shorter than the first
+    // would mean the first waits on something other than its data (e.g. fetching its code).
+    __syncthreads();
+    DS4_TRACE_MARK(7);
+    hc_pre_finish(cond, a, mix, xs, norm_w);
+    __syncthreads();
+#endif
     if (threadIdx.x == 0) a.tickets[ticket] = 0;
     DS4_TRACE_MARK(4);
 }
@@ -722,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre_tail(DS4_
     __shared__ float mix[32];
     if (threadIdx.x < a.mix_rows) mix[threadIdx.x] = a.mix[threadIdx.x];
     __syncthreads();
-    if (blockIdx.x == 0) hc_pre_finish(cond, a, mix);
+    if (blockIdx.x == 0) hc_pre_finish(cond, a, mix, a.x, a.norm_w);
     else if (threadIdx.x < 32) hc_split_warp(mix, a.scale, a.base, a.split, a.iters, a.eps_hc, false);
 }
 #endif

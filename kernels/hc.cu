@@ -126,8 +126,10 @@ __device__ __forceinline__ float hc_post_chunk(const HcPostArgs& a, u32 chunk, u
 // the inputs they share (n a multiple of 512, so each is chunk dst * (n / 512) + dr of the
 // outputs): lane l holds positions 128u + 4l + j as hc_post_chunk does, and each value and each
 // chunk's sum of squares comes out exactly as there. Stores them (and the Add's sum) when
-// `store`; sq[dst] is chunk dst's sum of squares (every lane).
-__device__ __forceinline__ void hc_post_range(const HcPostArgs& a, u32 dr, u32 lane, bool store, float* sq) {
+// `store`, and to keep[dst * n + d] when `keep` is set; sq[dst] is chunk dst's sum of squares
+// (every lane).
+__device__ __forceinline__ void hc_post_range(const HcPostArgs& a, u32 dr, u32 lane, bool store, float* sq,
+                                              float* keep) {
     const float* post = a.split + a.n_hc;
     const float* comb = a.split + 2 * a.n_hc;
     // Each stream's sum adds its values in hc_post_chunk's order (u, then j) from +0.
@@ -162,6 +164,7 @@ __device__ __forceinline__ void hc_post_range(const HcPostArgs& a, u32 dr, u32 l
                 s[dst] += acc * acc;
             }
             if (store) *(float4*)(a.out + dst * a.n + d) = make_float4(o[0], o[1], o[2], o[3]);
+            if (keep) *(float4*)(keep + dst * a.n + d) = make_float4(o[0], o[1], o[2], o[3]);
         }
     }
 #pragma unroll

@@ -43,9 +43,9 @@ __device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, 
     *s = __ldg(blk);
 #else
     const int4* wq = (const int4*)(w + (u64)r * nb * 32);
-    *w0 = __ldg(wq + 2 * b);
-    *w1 = __ldg(wq + 2 * b + 1);
-    *s = __ldg((const u16*)(w + (u64)rows * nb * 32) + (u64)r * nb + b);
+    *w0 = ds4_wld(wq + 2 * b);
+    *w1 = ds4_wld(wq + 2 * b + 1);
+    *s = ds4_wld((const u16*)(w + (u64)rows * nb * 32) + (u64)r * nb + b);
 #endif
 }
 
@@ -322,15 +322,6 @@ static_assert(Q8T_NT % 2 == 0, "B fragments by pairs of token tiles");
 
 __device__ __forceinline__ constexpr u32 bit_reverse2(u32 s) { return ((s & 1) << 1) | ((s & 2) >> 1); }
 
-// 16 bytes from global to shared memory without passing through registers; cp_async_wait waits
-// for all of this thread's copies.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // Four 8 x 8 matrices of b16 from shared memory (lanes 8 q .. 8 q + 7 give matrix q's row
 // addresses); register q of lane l holds 4 bytes (l % 4) of row l / 4 of matrix q. Volatile so
 // that it stays between the barriers around it.
@@ -656,7 +647,7 @@ __device__ __forceinline__ F16Chunk load_chunk_f16(const u16* w, u32 n, u32 lane
 #pragma unroll
     for (u32 u = 0; u < 2; u++) {
         const u32 i = u * 256 + lane * 8;
-        c.q[u] = i < n ? __ldg((const uint4*)(w + i)) : make_uint4(0, 0, 0, 0);
+        c.q[u] = i < n ? ds4_wld((const uint4*)(w + i)) : make_uint4(0, 0, 0, 0);
     }
     return c;
 }

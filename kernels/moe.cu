@@ -175,12 +175,12 @@ template <u32 TY> struct Layout {
 
 // 16 quant bytes at p, aligned to A bytes (2, 4 or 16).
 template <u32 A> __device__ __forceinline__ int4 load_quants16(const u8* p) {
-    if (A == 16) return __ldg((const int4*)p);
+    if (A == 16) return ds4_wld((const int4*)p);
     u32 v[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        if (A == 4) v[i] = __ldg((const u32*)p + i);
-        else v[i] = (u32)__ldg((const u16*)p + 2 * i) | ((u32)__ldg((const u16*)p + 2 * i + 1) << 16);
+        if (A == 4) v[i] = ds4_wld((const u32*)p + i);
+        else v[i] = (u32)ds4_wld((const u16*)p + 2 * i) | ((u32)ds4_wld((const u16*)p + 2 * i + 1) << 16);
     }
     return make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
 }
@@ -317,10 +317,10 @@ __device__ __forceinline__ WeightPart load_weight_part(const ExpertRow& row, u32
     w.q = load_quants16<Layout<TY>::QALIGN>(row.qs + (u64)b * Layout<TY>::QS + 16 * p);
     const u8* rest = row.rest + (u64)b * Layout<TY>::RS;
     if (TY == 10) {  // the 8 scale bytes of 128-value chunk p/2 (4-byte aligned)
-        w.ex.x = __ldg((const u32*)(rest + 8 * (p >> 1)));
-        w.ex.y = __ldg((const u32*)(rest + 8 * (p >> 1)) + 1);
+        w.ex.x = ds4_wld((const u32*)(rest + 8 * (p >> 1)));
+        w.ex.y = ds4_wld((const u32*)(rest + 8 * (p >> 1)) + 1);
     } else if (TY == 12) {  // d, dmin and the 12 scale bytes (16-byte aligned)
-        w.ex = __ldg((const uint4*)rest);
+        w.ex = ds4_wld((const uint4*)rest);
     }
     return w;
 }
@@ -448,8 +448,8 @@ __device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K*
 // Loaded with the quants (row_first_scales), they cost no extra round trip to memory.
 template <u32 TY> __device__ __forceinline__ u32 block_scales(const u8* rest, u32 b) {
     const u16* r = (const u16*)(rest + (u64)b * Layout<TY>::RS + (TY == 10 ? Layout<TY>::Q2K_D : 0));
-    if (TY == 16) return __ldg(r);
-    return (u32)__ldg(r) | ((u32)__ldg(r + 1) << 16);
+    if (TY == 16) return ds4_wld(r);
+    return (u32)ds4_wld(r) | ((u32)ds4_wld(r + 1) << 16);
 }
 // Lane l's scales in the first 32-block chunk of a row (block l).
 template <u32 TY> __device__ __forceinline__ u32 row_first_scales(const ExpertRow& row, u32 nb) {
@@ -1594,28 +1594,17 @@ __device__ __forceinline__ int4 moe2_permute(int4 v) {
 #define GUT_CONST_OFF (GUT_TREE_OFF + 8 * GUT_SLOTS * 32 * 16)
 #define GUT_SMEM (GUT_CONST_OFF + 16)
 
-// 16 bytes (4 for a d) from global to shared memory without passing through registers;
-// gut_cp_async_wait waits for all of this thread's copies. (The same asm as matvec.cu's, which
-// scripts/emu/gen.py maps to the emulator's copies.)
-__device__ __forceinline__ void gut_cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void gut_cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void gut_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // Stages block b of the pass's pairs: thread i copies 16-byte chunk i % 16 of columns i / 16 and
 // i / 16 + 16 (x0, x1: their Q8_K rows, null past the pass), and the first chunk's thread the d.
 __device__ __forceinline__ void gut_stage(const BlockQ8K* x0, const BlockQ8K* x1, u32 b, u8* act, float* actd) {
     const u32 q = threadIdx.x & 15, col = threadIdx.x >> 4;
     if (x0) {
-        gut_cp_async16(act + col * GUT_STRIDE + 16 * q, x0[b].qs + 16 * q);
-        if (q == 0) gut_cp_async4(actd + col, &x0[b].d);
+        cp_async16(act + col * GUT_STRIDE + 16 * q, x0[b].qs + 16 * q);
+        if (q == 0) cp_async4(actd + col, &x0[b].d);
     }
     if (x1) {
-        gut_cp_async16(act + (col + 16) * GUT_STRIDE + 16 * q, x1[b].qs + 16 * q);
-        if (q == 0) gut_cp_async4(actd + col + 16, &x1[b].d);
+        cp_async16(act + (col + 16) * GUT_STRIDE + 16 * q, x1[b].qs + 16 * q);
+        if (q == 0) cp_async4(actd + col + 16, &x1[b].d);
     }
 }
 // After the copies landed: the thread's own chunks permuted in place for the MMA (moe2_permute).
@@ -1809,7 +1798,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
             const float* const xd = (const float*)(gut_smem + GUT_ACTD_OFF) + (k & 1) * GUT_COLS;
             // This block's activations have landed (every thread's copies: the barrier); the next
             // block's go into the other buffer, which every warp finished with before the barrier.
-            gut_cp_async_wait();
+            cp_async_wait();
             gut_permute(x0 != 0, x1 != 0, xs);
             __syncthreads();
             if (next < end)
@@ -1938,16 +1927,6 @@ __device__ __forceinline__ bool tile_tree(float (*pend)[NP], float* v, u32 i, u3
 #define MOE_TILE_STRIDE 320
 #define MOE_TILE_C1 160
 
-// 16 (or 4) bytes from global to shared memory without passing through registers (as matvec.cu's
-// cp_async16, cp_async4: scripts/emu/gen.py maps the same asm to the emulator's copies).
-__device__ __forceinline__ void tile_cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void tile_cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void tile_cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // Stages the round of MOE_TILE_S existing leaves from leaf L for the pass's first cols8 columns
 // (pair rows colx): each pair's block (MOE_TILE_STRIDE) and its d, by cp.async; waits for them
 // (the caller's barrier then publishes them). A thread copies the same 16 bytes of every leaf.
@@ -1969,11 +1948,11 @@ __device__ __forceinline__ void tile_stage(u8* act, float* actd, const BlockQ8K*
         const u64 at = (u64)tile_leaf_block(L) * sizeof(BlockQ8K);
 #pragma unroll
         for (u32 k = 0; k < MOE_TILE_CPT; k++)
-            if (src[k]) tile_cp_async16(act + s * MOE_TILE_COLS * MOE_TILE_STRIDE + dst[k], src[k] + at);
-        if (dsrc) tile_cp_async4(actd + s * MOE_TILE_COLS + threadIdx.x, dsrc + at);
+            if (src[k]) cp_async16(act + s * MOE_TILE_COLS * MOE_TILE_STRIDE + dst[k], src[k] + at);
+        if (dsrc) cp_async4(actd + s * MOE_TILE_COLS + threadIdx.x, dsrc + at);
         L = tile_next_leaf(L, lv);
     }
-    tile_cp_async_wait();
+    cp_async_wait();
 }
 
 // The lane's weights of one block: quants, the scales of chunk c, d and dmin, of rows g and g + 8.

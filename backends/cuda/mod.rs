@@ -305,6 +305,23 @@ mod imp {
         Ok(())
     }
     const INDEXER_ONE_KERNEL: &str = "indexer_scores_one";
+
+    /// A decode hc_pre with the HC post inside keeps the four streams it computes and the norm
+    /// weights in 5 x n_embd floats of dynamic shared memory (kernels/fused.cu hc_pre), so its
+    /// chunks and the pre gates' tail do not read them back from L2. `DS4_CUDA_HC_PRE_SMEM=0`
+    /// gives it none (the streams and weights read from global memory), to measure.
+    fn hc_pre_smem(r: &mut Resolved) -> Result<(), BackendError> {
+        if r.kernel != "hc_pre" || env_is("DS4_CUDA_HC_PRE_SMEM", "0") {
+            return Ok(());
+        }
+        let a = bytemuck::try_pod_read_unaligned::<args::HcPreArgs>(bytemuck::cast_slice(&r.args))
+            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
+        if a.post_block != args::Ptr::NULL {
+            r.smem = 5 * a.n_embd * 4;
+            opt_in_smem(r)?;
+        }
+        Ok(())
+    }
     const INDEXER_ONE_ROWS: u32 = 32;
 
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
@@ -1458,6 +1475,7 @@ mod imp {
                 for (i, l) in p.launches.iter().enumerate() {
                     let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
                     indexer_one(&mut r, &mut funcs)?;
+                    hc_pre_smem(&mut r)?;
                     if traced && i < plan::TRACE_LAUNCHES {
                         r.cond |= (i as u64 + 1) << plan::TRACE_SHIFT;
                     }

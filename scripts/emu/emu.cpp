@@ -2,6 +2,7 @@
 EmuFiber* emu_cur;
 EmuBlock* emu_blk;
 std::vector<unsigned> emu_block_order;
+unsigned emu_dynamic_smem = ~0u;
 
 static void emu_entry() {
     emu_blk->body();

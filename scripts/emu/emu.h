@@ -71,6 +71,9 @@ struct EmuBlock {
 };
 extern EmuFiber* emu_cur;
 extern EmuBlock* emu_blk;
+// The dynamic shared memory a launch gives (common.cuh ds4_dynamic_smem), in bytes; the arrays
+// themselves are static at their largest (gen.py).
+extern unsigned emu_dynamic_smem;
 
 #define threadIdx (emu_cur->tid)
 #define blockIdx (emu_blk->bid)
@@ -84,6 +87,10 @@ inline void emu_wait(int kind) {
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EMU_WARP); }
 inline void __syncthreads() { emu_wait(EMU_BLOCK); }
 inline void __threadfence() {}
+inline void __trap() {
+    fprintf(stderr, "emu: __trap\n");
+    abort();
+}
 
 inline unsigned emu_lane() { return threadIdx.x & 31; }
 template <class T> T emu_shfl(T v, int src, bool keep) {

@@ -20,7 +20,7 @@ body = body.replace(
     "    d[0] = d[1] = d[2] = d[3] = Q8_MMA_BIAS;\n"
     "    emu_mma_s8<32>(d, a, b);",
 )
-# matvec.cu's cp.async copies, their wait, ldmatrix and dynamic shared memory (mat_mul_q8_0_tile).
+# common.cuh's cp.async copies, their wait, ldmatrix and dynamic shared memory (mat_mul_q8_0_tile).
 for n in (16, 4):
     body = body.replace(
         f'asm volatile("cp.async.{"cg" if n == 16 else "ca"}.shared.global [%0], [%1], {n};" '
@@ -42,6 +42,12 @@ body = body.replace(
     "extern __shared__ __align__(16) float attn_w_smem[];", "static __align__(16) float attn_w_smem[ATTN_W_SMEM / 4];"
 )
 body = body.replace("extern __shared__ __align__(16) u8 gut_smem[];", "static __align__(16) u8 gut_smem[GUT_SMEM];")
+body = body.replace(
+    "extern __shared__ __align__(16) float hc_pre_smem[];", "static __align__(16) float hc_pre_smem[5 * HC_PRE_MAX_EMBD];"
+)
+# What ds4_dynamic_smem reads: the emulator's emu_dynamic_smem.
+assert body.count("    u32 bytes = 0;\n#if __CUDA_ARCH__") == 1, "common.cuh ds4_dynamic_smem changed"
+body = body.replace("    u32 bytes = 0;\n#if __CUDA_ARCH__", "    u32 bytes = emu_dynamic_smem;\n#if __CUDA_ARCH__")
 # The int8 MMA wrappers (kernels/moe.cu mma_s8_k32: d, a, b) call the emulator's warp collective.
 body = re.sub(
     r'asm\("mma\.sync\.aligned\.m16n8k(16|32)\.row\.col\.s32\.s8\.s8\.s32 .*?\);',

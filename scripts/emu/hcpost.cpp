@@ -2,7 +2,8 @@
 // inputs: hc_post (storing its chunk sums of squares) then hc_pre reading them, against one
 // hc_pre that runs the post itself (the post_* arguments: plan.rs `hc_post_inside`). Compares
 // every output bit for bit: the streams, the Add's sum, flat, mix, split, cur, norm, its Q8_0 and
-// Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks). Prints checksums
+// Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks), with and without
+// the streams kept in dynamic shared memory. Prints checksums
 // of hc_post's and hc_pre's outputs too, so two builds of the kernels (e.g. DS4_CUDA_DEFINES
 // variants) can be compared with each other.
 #include "emu.h"
@@ -43,7 +44,7 @@ template <class T> static int differ(const char* what, const std::vector<T>& a, 
     return 1;
 }
 
-static int run(const char* what, u32 n_embd, bool add) {
+static int run(const char* what, u32 n_embd, bool add, bool kept) {
     const u32 hc_dim = 4 * n_embd, nc = hc_dim / 512, mix_rows = 24;
     StepParams P{0, 100, 0, 1};
     std::vector<float> block(n_embd), block_b(n_embd), residual(hc_dim), prev_split(24);
@@ -82,11 +83,14 @@ static int run(const char* what, u32 n_embd, bool add) {
     HcPreArgs a1 = pre_args(o1);
     a1.ss = o1.ss.data();
     emu_launch({grid, 1, 1}, HC_PRE_WARPS * 32, [&] { hc_pre(&P, 0, R, a1); });
-    // Inside: one hc_pre running the post first.
+    // Inside: one hc_pre running the post first, its streams and norm weights kept in dynamic
+    // shared memory when the launch gives it 5 * n_embd floats (mod.rs hc_pre_smem), else none.
     HcPreArgs a2 = pre_args(o2);
     a2.post_block = block.data(), a2.post_block_b = add ? block_b.data() : nullptr;
     a2.post_sum = add ? o2.sum.data() : nullptr, a2.post_residual = residual.data(), a2.post_split = prev_split.data();
+    emu_dynamic_smem = kept ? 5 * n_embd * 4 : 0;
     emu_launch({grid, 1, 1}, HC_PRE_WARPS * 32, [&] { hc_pre(&P, 0, R, a2); });
+    emu_dynamic_smem = ~0u;
     int bad = differ("streams", o1.streams, o2.streams) + differ("flat", o1.flat, o2.flat) +
               differ("mix", o1.mix, o2.mix) + differ("split", o1.split, o2.split) + differ("cur", o1.cur, o2.cur) +
               differ("norm", o1.norm, o2.norm) + differ("xq", o1.xq, o2.xq) + differ("xd", o1.xd, o2.xd) +
@@ -98,18 +102,21 @@ static int run(const char* what, u32 n_embd, bool add) {
                         checksum(o1.norm.data(), n_embd) * 11 ^ checksum(o1.xd.data(), o1.xd.size()) * 13 ^
                         checksum((const float*)o1.xq.data(), n_embd / 4) * 17 ^
                         checksum((const float*)o1.xk.data(), o1.xk.size() / 4) * 19;
-    printf("%-24s n_embd %5u%s: %s (hc_post checksum %016llx, hc_pre %016llx)\n", what, n_embd,
-           add ? ", with the add" : "", bad ? "DIFFER" : "same bits", (unsigned long long)post_sum,
+    printf("%-24s n_embd %5u%s%s: %s (hc_post checksum %016llx, hc_pre %016llx)\n", what, n_embd,
+           add ? ", with the add" : "", kept ? ", kept in shared memory" : "", bad ? "DIFFER" : "same bits",
+           (unsigned long long)post_sum,
            (unsigned long long)pre_sum);
     return bad;
 }
 
 int main() {
     int bad = 0;
-    bad += run("small", 512, false);
-    bad += run("small", 1024, true);
-    bad += run("flash", 4096, false);
-    bad += run("flash", 4096, true);
+    for (bool kept : {false, true}) {
+        bad += run("small", 512, false, kept);
+        bad += run("small", 1024, true, kept);
+        bad += run("flash", 4096, false, kept);
+        bad += run("flash", 4096, true, kept);
+    }
     printf(bad ? "HC post emulation: DIFFER\n" : "HC post emulation: all same bits\n");
     return bad ? 1 : 0;
 }
