@@ -408,11 +408,6 @@ __device__ __forceinline__ float chunk_dot_f16_scaled(const F16Chunk& c, const f
 #ifndef HC_PRE_Q8K_APART
 #define HC_PRE_Q8K_APART 1
 #endif
-// With the HC post inside (decode build) and 5 * n_embd floats of dynamic shared memory (mod.rs
-// hc_pre_smem), each block keeps the four streams it computes there, so its projection chunks and
-// the pre gates' tail read them from shared memory instead of L1 or L2, and the pre gates' blocks
-// copy the norm weights there before their wait (the tail read them from L2 or DRAM after the
-// ticket). The same values, so the same bits.
 
 // The sum from +0 of v[0..n] in order, where lane k of the warp holds v[k0 + k]; every lane
 // gets it.
@@ -633,7 +628,11 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
     const u32 r = (group_pre ? 0 : 4) + (live ? gw / nc : 0), c = live ? (gw % nc) * DS4_CHUNK : 0;
     F16Chunk chunk;
     if (live) chunk = load_chunk_f16(a.fn_w + (u64)r * n + c, n - c, lane);
-    // The streams and norm weights the tail reads: a.x and a.norm_w, or this block's copies.
+    // The streams and norm weights the tail reads: a.x and a.norm_w, or this block's copies. With
+    // the HC post inside and 5 * n_embd floats of dynamic shared memory (mod.rs hc_pre_smem), every
+    // block keeps the four streams it computes there for its chunks and the tail (not read back
+    // through L1 or L2), and the pre gates' blocks copy the norm weights there before their wait
+    // (the tail read them after the ticket). The same values, so the same bits.
     const float* xs = a.x;
     const float* norm_w = a.norm_w;
 #if !DS4_CHUNK_ROWS
@@ -643,7 +642,8 @@ extern "C" __global__ void __launch_bounds__(HC_PRE_WARPS * 32) hc_pre(DS4_ARGS,
         xs = hc_pre_smem;
         norm_w = hc_pre_smem + 4 * a.n_embd;
         if (group_pre)
-            for (u32 i = threadIdx.x; i < a.n_embd / 4; i += blockDim.x) cp_async16(hc_pre_smem + 4 * a.n_embd + 4 * i, a.norm_w + 4 * i);
+            for (u32 i = threadIdx.x; i < a.n_embd / 4; i += blockDim.x)
+                cp_async16(hc_pre_smem + 4 * a.n_embd + 4 * i, a.norm_w + 4 * i);
     }
 #endif
     ds4_wait_predecessor(cond);
