@@ -305,6 +305,7 @@ mod imp {
         Ok(())
     }
     const INDEXER_ONE_KERNEL: &str = "indexer_scores_one";
+    const INDEXER_ONE_ROWS: u32 = 32;
 
     /// A decode hc_pre with the HC post inside keeps the four streams it computes and the norm
     /// weights in 5 x n_embd floats of dynamic shared memory (kernels/fused.cu hc_pre), so its
@@ -322,7 +323,6 @@ mod imp {
         }
         Ok(())
     }
-    const INDEXER_ONE_ROWS: u32 = 32;
 
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
     /// each weight chunk (kernels/matvec.cu: mat_mul_f16, mat_mul_f16_split), in place of the

@@ -3,9 +3,9 @@
 // hc_pre that runs the post itself (the post_* arguments: plan.rs `hc_post_inside`). Compares
 // every output bit for bit: the streams, the Add's sum, flat, mix, split, cur, norm, its Q8_0 and
 // Q8_K, and the tickets left at 0 (n_embd a multiple of 512, as the plan asks), with and without
-// the streams kept in dynamic shared memory. Prints checksums
-// of hc_post's and hc_pre's outputs too, so two builds of the kernels (e.g. DS4_CUDA_DEFINES
-// variants) can be compared with each other.
+// the streams kept in dynamic shared memory. Prints checksums of hc_post's and hc_pre's outputs
+// too, so two builds of the kernels (e.g. DS4_CUDA_DEFINES variants) can be compared with each
+// other.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -104,8 +104,7 @@ static int run(const char* what, u32 n_embd, bool add, bool kept) {
                         checksum((const float*)o1.xk.data(), o1.xk.size() / 4) * 19;
     printf("%-24s n_embd %5u%s%s: %s (hc_post checksum %016llx, hc_pre %016llx)\n", what, n_embd,
            add ? ", with the add" : "", kept ? ", kept in shared memory" : "", bad ? "DIFFER" : "same bits",
-           (unsigned long long)post_sum,
-           (unsigned long long)pre_sum);
+           (unsigned long long)post_sum, (unsigned long long)pre_sum);
     return bad;
 }
 
