@@ -36,11 +36,14 @@ __device__ __forceinline__ void ds4_check_dynamic_smem(u32 need) {
     if (ds4_dynamic_smem() < need) __trap();
 }
 
-// A weight stream's load (the Q8_0 and F16 matvecs, the experts): read once a token, so with
-// DS4_WEIGHT_EVICT_FIRST 1 it goes through L2 as evict-first (ld.global.cs), leaving L2 to the
-// code, activations and partial sums the latency chains read back (0: __ldg).
+// A weight stream's load (the Q8_0 and F16 matvecs, the experts): read once a token, so it goes
+// through L2 as evict-first, leaving L2 to the code, activations and partial sums the latency
+// chains read back. With __ldg the weights evicted them: H100 flash-4l decode +8% (1264 against
+// 1173 tok/s), hc_pre's single-block tail 8.5 -> 4.1 us (BENCHMARKS, thirty-fifth session).
+// DS4_WEIGHT_EVICT_FIRST 0: __ldg. Cache hints only: both load the same bits. (ld.global.nc with
+// an evict-first L2 policy, with or without a 256-byte prefetch, measured +2% only.)
 #ifndef DS4_WEIGHT_EVICT_FIRST
-#define DS4_WEIGHT_EVICT_FIRST 0
+#define DS4_WEIGHT_EVICT_FIRST 1
 #endif
 template <class T> __device__ __forceinline__ T ds4_wld(const T* p) {
 #if DS4_WEIGHT_EVICT_FIRST

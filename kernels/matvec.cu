@@ -37,10 +37,10 @@ __device__ __forceinline__ void q8_0_load(const u8* w, u32 rows, u32 nb, u32 r, 
     const u16* blk = (const u16*)(w + ((u64)r * nb + b) * 34);
     u32 v[8];
 #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = (u32)__ldg(blk + 1 + 2 * i) | ((u32)__ldg(blk + 2 + 2 * i) << 16);
+    for (int i = 0; i < 8; i++) v[i] = (u32)ds4_wld(blk + 1 + 2 * i) | ((u32)ds4_wld(blk + 2 + 2 * i) << 16);
     *w0 = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
     *w1 = make_int4((int)v[4], (int)v[5], (int)v[6], (int)v[7]);
-    *s = __ldg(blk);
+    *s = ds4_wld(blk);
 #else
     const int4* wq = (const int4*)(w + (u64)r * nb * 32);
     *w0 = ds4_wld(wq + 2 * b);

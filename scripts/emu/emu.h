@@ -185,6 +185,7 @@ inline void emu_cp_async_wait() {
 }
 
 template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcs(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
