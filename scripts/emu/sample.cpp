@@ -6,13 +6,6 @@
 #include "kern.inc"
 #include "host.h"
 
-static u32 order_key(float v) {
-    u32 b;
-    memcpy(&b, &v, 4);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-static bool finite(float v) { return std::isfinite(v); }
-
 // How many logits the list path lists for `k` candidates with `threads` threads (the kernel's
 // bound, computed here on its own): more than SAMPLE_LIST means the radix path runs.
 static size_t listed(const std::vector<float>& l, u32 threads, u32 k) {
@@ -22,8 +15,8 @@ static size_t listed(const std::vector<float>& l, u32 threads, u32 k) {
         u32 a = 0, b = 0;
         for (size_t base = 0; base < n; base += tile)
             for (size_t i = base + t * SAMPLE_PER_THREAD; i < std::min(n, base + (t + 1) * SAMPLE_PER_THREAD); i++) {
-                if (!finite(l[i])) continue;
-                const u32 key = order_key(l[i]);
+                if (!sample_is_finite(l[i])) continue;
+                const u32 key = sample_order_key(l[i]);
                 if (key > a) b = a, a = key;
                 else if (key > b) b = key;
             }
@@ -33,7 +26,7 @@ static size_t listed(const std::vector<float>& l, u32 threads, u32 k) {
     std::sort(tops.rbegin(), tops.rend());
     const u32 bound = k > 0 && k <= tops.size() ? tops[k - 1] : 0;
     size_t c = 0;
-    for (float v : l) c += finite(v) && order_key(v) >= bound;
+    for (float v : l) c += sample_is_finite(v) && sample_order_key(v) >= bound;
     return c;
 }
 
@@ -95,7 +88,7 @@ int main() {
                         emu_launch({1, 1, 1}, threads, [&] { sample_token_block(a, list == 1); });
                     }
                     size_t finite_n = 0;
-                    for (float v : l) finite_n += finite(v);
+                    for (float v : l) finite_n += sample_is_finite(v);
                     const u32 k = std::min<size_t>(std::min<u32>(d.top_k, DS4_SAMPLE_CAP), finite_n);
                     const bool list = d.temperature > 0 && k > 0 && listed(l, threads, k) <= SAMPLE_LIST;
                     via_list += list;
