@@ -828,6 +828,102 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
     else moe_down_rows<12>(a, midq, tab, r0, is_sh[warp], sm_sh[warp]);
 }
 
+// The Q2_K down of rows of at most one pass (ff <= 2048: the Flash experts) in a kernel of its
+// own. Each warp's two rows of a slot pair are loaded while the pair before is summed, and the
+// first pair's before the PDL wait: the selected experts come from the router, which completed
+// before the gate/up launch before this one passed its own wait, and this launch starts only after
+// that (so not with DS4_PDL_TRIGGER, which lets it start earlier). moe_down took ~15 us on the
+// critical path for 16.6 MB, a pair's loads at a time. Each slot's integer sums and row_total are
+// moe_down_rows' and the slots add in the same order: the same bits.
+#ifndef MOE_DOWN_MIN_BLOCKS
+#define MOE_DOWN_MIN_BLOCKS 2
+#endif
+struct DownPair {
+    WeightPart w[2 * MOE_ROWS_PER_WARP];
+    u32 first[2 * MOE_ROWS_PER_WARP];
+};
+extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down_q2_k(DS4_ARGS, MoeDownArgs a) {
+    DS4_GUARD_EARLY;
+    typedef Layout<10> Lay;
+    constexpr int RW = MOE_ROWS_PER_WARP;
+    __shared__ int is_sh[8][2 * RW][MOE_MAX_BLOCKS];
+    __shared__ int sm_sh[8][2 * RW][MOE_MAX_BLOCKS];
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = lane % Lay::L, b = lane / Lay::L;
+    const u32 r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RW, nb = a.ff / 256;
+    int(*is)[MOE_MAX_BLOCKS] = is_sh[warp];
+    int(*sm)[MOE_MAX_BLOCKS] = sm_sh[warp];
+    // Row j of slot s (an empty row past the slots or the outputs).
+    auto row_of = [&](u32 s, int j) {
+        if (s >= a.n_used || r0 + j >= a.out_dim) return no_row();
+        const u64 e = (u64)min(max(__ldcg(a.selected + s), 0), (int)a.n_expert - 1);
+        const u8* qs0 = (const u8*)__ldcg(a.down + 2 * e);
+        const u8* rest0 = (const u8*)__ldcg(a.down + 2 * e + 1);
+        return expert_row_at(qs0, rest0, 10, (u64)(r0 + j) * nb);
+    };
+    auto load_pair = [&](u32 s0, DownPair* p) {
+#pragma unroll
+        for (int i = 0; i < 2 * RW; i++) {
+            const ExpertRow row = row_of(s0 + i / RW, i % RW);
+            if (row.qs && b < nb) p->w[i] = load_weight_part<10>(row, b, part);
+            p->first[i] = row_first_scales<10>(row, nb);
+        }
+    };
+    DownPair cur;
+    const bool live = r0 < a.out_dim;
+#if !DS4_PDL_TRIGGER
+    if (live) load_pair(0, &cur);
+#endif
+    ds4_wait_predecessor(cond);
+    if (!live) return;
+#if DS4_PDL_TRIGGER
+    load_pair(0, &cur);
+#endif
+    float acc[RW];
+#pragma unroll
+    for (int k = 0; k < RW; k++) acc[k] = 0.0f;
+    for (u32 s0 = 0; s0 < a.n_used; s0 += 2) {
+        DownPair nxt;
+        if (s0 + 2 < a.n_used) load_pair(s0 + 2, &nxt);
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const u32 slot = min(s0 + g, a.n_used - 1);
+            ActPart act;
+            if (s0 + g < a.n_used && b < nb) act = load_act_part<10>(a.midq + (u64)slot * nb + b, part);
+#pragma unroll
+            for (int k = g * RW; k < g * RW + RW; k++) {
+                const bool used = s0 + g < a.n_used && r0 + (k - g * RW) < a.out_dim;
+                int s = 0, m = 0;
+                if (used && b < nb) part_sums<10>(cur.w[k], act, part, 0, &s, &m);
+#pragma unroll
+                for (u32 o = 1; o < Lay::L; o <<= 1) {
+                    s += __shfl_xor_sync(0xffffffffu, s, o);
+                    m += __shfl_xor_sync(0xffffffffu, m, o);
+                }
+                if (part == 0 && b < nb) {
+                    is[k][b] = s;
+                    sm[k][b] = m;
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            if (s0 + g >= a.n_used) break;
+            const BlockQ8K* y = a.midq + (u64)(s0 + g) * nb;
+#pragma unroll
+            for (int k = 0; k < RW; k++) {
+                const int i = g * RW + k;
+                if (r0 + k < a.out_dim) acc[k] += row_total<10>(nullptr, y, nb, is[i], sm[i], cur.first[i]);
+            }
+        }
+        __syncwarp();
+        cur = nxt;
+    }
+#pragma unroll
+    for (int k = 0; k < RW; k++)
+        if (lane == 0 && r0 + k < a.out_dim) a.out[r0 + k] = acc[k];
+}
+
 #if DS4_CHUNK_ROWS
 // The chunk build runs the routed experts grouped by expert, as the CPU's `moe_experts_rows`
 // does: moe_route lists each expert's (row, slot) pairs, then a warp of gate/up or down takes its

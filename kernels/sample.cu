@@ -151,7 +151,6 @@ __device__ void sample_token_block(const SampleTokenArgs& a, bool use_list) {
         tops[2 * t + 1] = top2;
         sample_sort_desc(tops, 2 * nt);
         const u32 bound = k > 0 && k <= 2 * nt ? tops[k - 1] : 0;
-        __syncthreads();  // tops is read before the list's count is reset
         if (t == 0) s_slot = 0;
         __syncthreads();
         // List every finite key at or above the bound, a warp's entries at once.

@@ -1746,6 +1746,16 @@ impl<'a> Builder<'a> {
                     _pad: 0,
                 };
                 self.launch(blocks(out_dim.div_ceil(2), 8), 256, a);
+                // Q2_K rows of one pass (8 blocks) have a kernel of their own that loads a slot
+                // pair ahead (kernels/moe.cu `moe_down_q2_k`); `DS4_CUDA_MOE_DOWN=rows` keeps
+                // `moe_down` to measure against.
+                if down_ty == GgmlType::Q2_K as u32
+                    && ff.is_multiple_of(256)
+                    && ff / 256 <= 8
+                    && !env_is("DS4_CUDA_MOE_DOWN", "rows")
+                {
+                    self.launches.last_mut().expect("just launched").kernel = "moe_down_q2_k";
+                }
             }
             Op::SwiGlu { gate, up, out, clamp } => {
                 let n = self.len(out);

@@ -4,7 +4,8 @@
 // moe_sum_slots), in the emulator, and compares mid, its Q8_K and out bit for bit; in the split
 // layout, again with the tensor-core kernels (moe_gate_up_mma_iq2_xxs, moe_down_mma_q2_k) where
 // the types have them; with the first of those, moe_gate_up_tile_iq2_xxs's mid against
-// moe_gate_up_mma_iq2_xxs's; on configs of its own, moe_down_tile_q2_k's parts against
+// moe_gate_up_mma_iq2_xxs's; where the down is Q2_K of at most 8 blocks a row, the decode
+// moe_down_q2_k's out against moe_down's; on configs of its own, moe_down_tile_q2_k's parts against
 // moe_down_mma_q2_k's; on the smaller configs, the decode moe_gate_up_iq2_xxs with 2 and 3 tasks a
 // warp against the generic moe_gate_up. First it checks the emulated int8 MMA against a plain
 // matrix product.
@@ -233,6 +234,19 @@ static int run(const Config& c, bool native) {
         d.n_expert = c.n_expert;
         const RowStrides RD = row_strides({midq_old.stride, SEL.stride, 0, out_old.stride, 0});
         emu_launch({blocks_of((c.out_dim + 1) / 2, 8), c.rows, 1}, 256, [&] { moe_down(P0, cond, RD, d); });
+        // The decode's Q2_K down of one-pass rows (plan.rs: ff <= 2048) on the same grid and
+        // inputs: its out against moe_down's bit for bit.
+        if (c.down_ty == 10 && c.ff % 256 == 0 && c.ff / 256 <= 8) {
+            RowBuf out_q2k(c.out_dim * 4, c.rows);
+            d.out = (float*)out_q2k.ptr();
+            emu_launch({blocks_of((c.out_dim + 1) / 2, 8), c.rows, 1}, 256, [&] { moe_down_q2_k(P0, cond, RD, d); });
+            int b = 0;
+            for (u32 y = 0; y < c.active; y++) b += memcmp(out_q2k.row<char>(y), out_old.row<char>(y), c.out_dim * 4) != 0;
+            printf("down 10 ff %u out %u used %u rows %u/%u: moe_down_q2_k against moe_down: %s\n", c.ff, c.out_dim,
+                   c.n_used, c.active, c.rows, b ? "DIFFER" : "same bits");
+            bad_tasks += b;
+            d.out = (float*)out_old.ptr();
+        }
         if (c.gate_ty == 16 && c.ff % 256 == 0 && c.counts.empty() && c.rows <= 8)
             bad_tasks = gate_up_tasks_check(c, a, X, SEL, W, mid_bytes, midq_bytes, P0, cond);
     }
