@@ -1701,9 +1701,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial
     attention_partial_impl<true>(P, a);
 }
 
+// Whether attention_combine lets its successor launch at its first instruction rather than after
+// its wait: the successor is the grouped output projection (a 35.6 MB Q8_0 matvec on Flash, two
+// waves of blocks), whose blocks load their weights before their own wait. Launched after the
+// wait, they had ~3 us for it (the combine is short) and the launch took ~15 us on the H100
+// against ~10 for the same bytes in the matvec after it, which had ~7 us (DS4_CUDA_TRACE).
+// The successor still waits for this kernel to complete before it reads anything it wrote.
+#ifndef ATTN_COMBINE_EARLY_TRIGGER
+#define ATTN_COMBINE_EARLY_TRIGGER 1
+#endif
+
 // A block per head, a thread per dim (blockDim >= head_dim): the chunks' sums in order, the
 // denominator, the scale, then the fused tail as `attention`'s.
 extern "C" __global__ void __launch_bounds__(512) attention_combine(DS4_ARGS, AttentionCombineArgs a) {
+    if (ATTN_COMBINE_EARLY_TRIGGER) ds4_trigger_successor();
     DS4_GUARD;
     __shared__ float inv_sh;
     const AttnRows v = attn_rows(P, a);
