@@ -833,8 +833,9 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 // first pair's before the PDL wait: the selected experts come from the router, which completed
 // before the gate/up launch before this one passed its own wait, and this launch starts only after
 // that (so not with DS4_PDL_TRIGGER, which lets it start earlier). moe_down took ~15 us on the
-// critical path for 16.6 MB, a pair's loads at a time. Each slot's integer sums and row_total are
-// moe_down_rows' and the slots add in the same order: the same bits.
+// critical path for 16.6 MB, a pair's loads at a time (this one 13.4, H100). Each slot's integer
+// sums and row_total are moe_down_rows' and the slots add in the same order: the same bits.
+// Opt-in for now (plan.rs, `DS4_CUDA_MOE_DOWN=q2k`): see BENCHMARKS, thirty-sixth session.
 #ifndef MOE_DOWN_MIN_BLOCKS
 #define MOE_DOWN_MIN_BLOCKS 2
 #endif
