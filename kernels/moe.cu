@@ -395,6 +395,26 @@ __device__ __forceinline__ void part_sums(const WeightPart& w, const ActPart& a,
     }
 }
 
+// One row's integer sums of block b (its part w, loaded, times act) into is[b], sm[b]: the lanes
+// of the block add theirs (exact in any order). `row`: the row exists (else the sums are 0).
+template <u32 TY>
+__device__ __forceinline__ void store_block_sums(const WeightPart& w, const ActPart& act, bool row, u32 b, u32 nb,
+                                                 const u32* tab, int* is, int* sm) {
+    typedef Layout<TY> Lay;
+    const u32 part = (threadIdx.x & 31) % Lay::L;
+    int a = 0, m = 0;
+    if (row && b < nb) part_sums<TY>(w, act, part, tab, &a, &m);
+#pragma unroll
+    for (u32 o = 1; o < Lay::L; o <<= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (TY != 16) m += __shfl_xor_sync(0xffffffffu, m, o);  // IQ2_XXS has no mins
+    }
+    if (part == 0 && b < nb) {
+        is[b] = a;
+        if (TY != 16) sm[b] = m;
+    }
+}
+
 // Integer sums of every block of G groups of R rows (the rows of group g multiply activations
 // y[g]; nb blocks each) into is[g*R+k][b], sm[g*R+k][b]. U passes of every row are loaded before
 // any is used.
@@ -425,19 +445,8 @@ __device__ __forceinline__ void rows_sums(const ExpertRow* rows, const BlockQ8K*
                 ActPart act;
                 if (used && b < nb) act = load_act_part<TY>(y[g] + b, part);
 #pragma unroll
-                for (int k = g * R; k < g * R + R; k++) {
-                    int a = 0, m = 0;
-                    if (rows[k].qs && b < nb) part_sums<TY>(w[k][u], act, part, tab, &a, &m);
-#pragma unroll
-                    for (u32 o = 1; o < Lay::L; o <<= 1) {
-                        a += __shfl_xor_sync(0xffffffffu, a, o);
-                        if (TY != 16) m += __shfl_xor_sync(0xffffffffu, m, o);  // IQ2_XXS has no mins
-                    }
-                    if (part == 0 && b < nb) {
-                        is[k][b] = a;
-                        if (TY != 16) sm[k][b] = m;
-                    }
-                }
+                for (int k = g * R; k < g * R + R; k++)
+                    store_block_sums<TY>(w[k][u], act, rows[k].qs != 0, b, nb, tab, is[k], sm[k]);
             }
         }
     }
@@ -853,20 +862,25 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down_
     const u32 r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RW, nb = a.ff / 256;
     int(*is)[MOE_MAX_BLOCKS] = is_sh[warp];
     int(*sm)[MOE_MAX_BLOCKS] = sm_sh[warp];
-    // Row j of slot s (an empty row past the slots or the outputs).
-    auto row_of = [&](u32 s, int j) {
-        if (s >= a.n_used || r0 + j >= a.out_dim) return no_row();
-        const u64 e = (u64)min(max(__ldcg(a.selected + s), 0), (int)a.n_expert - 1);
-        const u8* qs0 = (const u8*)__ldcg(a.down + 2 * e);
-        const u8* rest0 = (const u8*)__ldcg(a.down + 2 * e + 1);
-        return expert_row_at(qs0, rest0, 10, (u64)(r0 + j) * nb);
-    };
+    // The rows of slots s0 and s0 + 1 (empty rows past the slots or the outputs), their parts and
+    // first scales loaded.
     auto load_pair = [&](u32 s0, DownPair* p) {
 #pragma unroll
-        for (int i = 0; i < 2 * RW; i++) {
-            const ExpertRow row = row_of(s0 + i / RW, i % RW);
-            if (row.qs && b < nb) p->w[i] = load_weight_part<10>(row, b, part);
-            p->first[i] = row_first_scales<10>(row, nb);
+        for (int g = 0; g < 2; g++) {
+            const u32 s = s0 + g;
+            const u8 *qs0 = nullptr, *rest0 = nullptr;
+            if (s < a.n_used) {
+                const u64 e = (u64)min(max(__ldcg(a.selected + s), 0), (int)a.n_expert - 1);
+                qs0 = (const u8*)__ldcg(a.down + 2 * e);
+                rest0 = (const u8*)__ldcg(a.down + 2 * e + 1);
+            }
+#pragma unroll
+            for (int k = 0; k < RW; k++) {
+                const bool row = s < a.n_used && r0 + k < a.out_dim;
+                const ExpertRow r = row ? expert_row_at(qs0, rest0, 10, (u64)(r0 + k) * nb) : no_row();
+                if (r.qs && b < nb) p->w[g * RW + k] = load_weight_part<10>(r, b, part);
+                p->first[g * RW + k] = row_first_scales<10>(r, nb);
+            }
         }
     };
     DownPair cur;
@@ -887,24 +901,12 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down_
         if (s0 + 2 < a.n_used) load_pair(s0 + 2, &nxt);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
-            const u32 slot = min(s0 + g, a.n_used - 1);
+            const bool slot = s0 + g < a.n_used;
             ActPart act;
-            if (s0 + g < a.n_used && b < nb) act = load_act_part<10>(a.midq + (u64)slot * nb + b, part);
+            if (slot && b < nb) act = load_act_part<10>(a.midq + (u64)(s0 + g) * nb + b, part);
 #pragma unroll
-            for (int k = g * RW; k < g * RW + RW; k++) {
-                const bool used = s0 + g < a.n_used && r0 + (k - g * RW) < a.out_dim;
-                int s = 0, m = 0;
-                if (used && b < nb) part_sums<10>(cur.w[k], act, part, 0, &s, &m);
-#pragma unroll
-                for (u32 o = 1; o < Lay::L; o <<= 1) {
-                    s += __shfl_xor_sync(0xffffffffu, s, o);
-                    m += __shfl_xor_sync(0xffffffffu, m, o);
-                }
-                if (part == 0 && b < nb) {
-                    is[k][b] = s;
-                    sm[k][b] = m;
-                }
-            }
+            for (int k = g * RW; k < g * RW + RW; k++)
+                store_block_sums<10>(cur.w[k], act, slot && r0 + (k - g * RW) < a.out_dim, b, nb, nullptr, is[k], sm[k]);
         }
         __syncwarp();
 #pragma unroll
