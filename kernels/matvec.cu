@@ -586,14 +586,8 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
 // Row rr of the launch (the first matrix's rows, then the second's) by one warp: its weights'
 // first chunks loaded, then the wait for the previous kernel, then the sums; lane 0 stores it.
 // Returns the row's value in every lane (0 past the rows).
-// With `rest_sh` (split layout: mat_vec_q8_0 given room, mod.rs q8_rest_staged), the chunks past
-// the early ones are copied there by cp.async before the wait too (no registers held while they
-// land), so that a row wider than the early chunks (Flash's wo_b, 8192) is all in flight before
-// the wait; `rest_sh`: the warp's (nb - EARLY * 32) * 34 bytes, 16-byte aligned, nb a multiple
-// of 8. The same terms in the same order: the same bits.
 template <u32 EARLY = Q8_EARLY_CHUNKS>
-__device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a, u32 rr, u32 lane,
-                                               u8* rest_sh = nullptr) {
+__device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a, u32 rr, u32 lane) {
     const bool second = rr >= a.rows;
     const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
     const u8* w = second ? a.w2 : a.w;
@@ -607,17 +601,6 @@ __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a,
         const u32 b = u * DS4_BLOCK_CHUNK + lane;
         if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
-    const u32 n_early = EARLY * DS4_BLOCK_CHUNK, n_rest = nb > n_early ? nb - n_early : 0;
-#if !DS4_NATIVE_BLOCKS
-    const bool staged = rest_sh && n_rest;
-    if (staged && live) {
-        const u32 n_q = n_rest * 2, n_pieces = n_q + n_rest / 8;
-        const u8* q0 = w + ((u64)r * nb + n_early) * 32;
-        const u8* s0 = w + (u64)rows * nb * 32 + ((u64)r * nb + n_early) * 2;
-        for (u32 i = lane; i < n_pieces; i += 32)
-            cp_async16(rest_sh + 16 * i, i < n_q ? q0 + 16 * i : s0 + 16 * (i - n_q));
-    }
-#endif
     ds4_wait_predecessor(cond);
     if (!live) return 0.0f;
     const u32 g = second ? 0 : r / a.rows_per_group;
@@ -633,23 +616,7 @@ __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a,
             total += warp_sum(acc);
         }
     }
-#if !DS4_NATIVE_BLOCKS
-    if (staged) {
-        cp_async_wait();
-        __syncwarp();
-        const int4* q = (const int4*)rest_sh;
-        const u16* sc = (const u16*)(rest_sh + n_rest * 32);
-        for (u32 c = n_early; c < nb; c += DS4_BLOCK_CHUNK) {
-            float acc = 0.0f;
-            const u32 b = c + lane, i = b - n_early;
-            if (b < nb) acc += q8_0_term(q[2 * i], q[2 * i + 1], sc[i], x4, dx, b);
-            total += warp_sum(acc);
-        }
-        if (lane == 0) out[r] = total;
-        return total;
-    }
-#endif
-    for (u32 c = n_early; c < nb; c += DS4_BLOCK_CHUNK) {
+    for (u32 c = EARLY * DS4_BLOCK_CHUNK; c < nb; c += DS4_BLOCK_CHUNK) {
         float acc = 0.0f;
         const u32 b = c + lane;
         if (b < nb) {
@@ -715,18 +682,7 @@ __device__ __forceinline__ float q8_0_staged_row(u64 cond, const MatVecQ80Args& 
 
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;
-    const u32 warp = threadIdx.x >> 5;
-    u8* rest_sh = nullptr;
-#if !DS4_NATIVE_BLOCKS
-    // Room for every warp's chunks past the early ones: the rest of each row staged (mod.rs
-    // q8_rest_staged); none (the default): they load after the wait.
-    extern __shared__ __align__(16) u8 q8r_smem[];
-    const u32 nb = a.in_dim / 32, n_early = Q8_EARLY_CHUNKS * DS4_BLOCK_CHUNK;
-    const u32 rest_bytes = nb > n_early ? (nb - n_early) * 34 : 0;
-    if (rest_bytes && nb % 8 == 0 && ds4_dynamic_smem() >= (blockDim.x >> 5) * rest_bytes)
-        rest_sh = q8r_smem + warp * rest_bytes;
-#endif
-    q8_0_warp_row(cond, a, blockIdx.x * (blockDim.x >> 5) + warp, threadIdx.x & 31, rest_sh);
+    q8_0_warp_row(cond, a, blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), threadIdx.x & 31);
 }
 #endif
 

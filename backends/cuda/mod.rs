@@ -344,28 +344,6 @@ mod imp {
         Ok(())
     }
 
-    /// With `DS4_CUDA_Q8_REST=staged`, a decode `mat_vec_q8_0` whose rows are wider than the
-    /// chunks a warp loads into registers before the PDL wait (kernels/matvec.cu
-    /// `Q8_EARLY_CHUNKS` x 32 blocks: 4096 wide; Flash's wo_b is 8192) gets room for the rest of
-    /// each warp's row, which it then copies into shared memory before the wait too. Split block
-    /// layout only; rows of whole 8-block groups; where the device gives a block that much
-    /// (`max_smem`). Opt-in until measured.
-    fn q8_rest_staged(r: &mut Resolved, layout: BlockLayout, max_smem: u32) -> Result<(), BackendError> {
-        const EARLY_BLOCKS: u32 = 4 * 32;
-        if r.kernel != "mat_vec_q8_0" || layout != BlockLayout::Split || !env_is("DS4_CUDA_Q8_REST", "staged") {
-            return Ok(());
-        }
-        let a = bytemuck::try_pod_read_unaligned::<args::MatVecQ80Args>(bytemuck::cast_slice(&r.args))
-            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
-        let nb = a.in_dim / 32;
-        let bytes = (r.block / 32).saturating_mul(nb.saturating_sub(EARLY_BLOCKS)).saturating_mul(34);
-        if nb > EARLY_BLOCKS && nb.is_multiple_of(8) && bytes <= max_smem {
-            r.smem = bytes;
-            opt_in_smem(r)?;
-        }
-        Ok(())
-    }
-
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
     /// each weight chunk (kernels/matvec.cu: mat_mul_f16, mat_mul_f16_split), in place of the
     /// per-row launches of the kernel each replaces. `DS4_CUDA_F16_CHUNK=0` keeps those, to measure.
@@ -1525,7 +1503,6 @@ mod imp {
                     indexer_one(&mut r, &mut funcs)?;
                     hc_pre_smem(&mut r)?;
                     q8_quant_staged(&mut r, layout, max_smem)?;
-                    q8_rest_staged(&mut r, layout, max_smem)?;
                     if traced && i < plan::TRACE_LAUNCHES {
                         r.cond |= (i as u64 + 1) << plan::TRACE_SHIFT;
                     }
