@@ -800,21 +800,11 @@ extern "C" __global__ void __launch_bounds__(1024, 1) mat_vec_q8_0_quant(DS4_ARG
     // The warp's row, then (swiglu) its row of the second matrix: one copy of the row's code.
     float v = 0.0f, up = 0.0f;
     const u32 n_rows = a.mode == Q8_TAIL_SWIGLU ? 2 : 1;
-#if !DS4_NATIVE_BLOCKS
-    // Given a.in_dim * 34 bytes of dynamic shared memory (mod.rs q8_quant_staged; quant mode),
-    // each warp stages its whole row there before the wait (q8_0_staged_row).
-    extern __shared__ __align__(16) u8 q8q_smem[];
-    if (a.mode == Q8_TAIL_QUANT && ds4_dynamic_smem() >= a.in_dim * 34) {
-        v = q8_0_staged_row(cond, m, r, lane, q8q_smem + warp * (a.in_dim / 32 * 34));
-    } else
-#endif
-    {
 #pragma unroll 1
-        for (u32 k = 0; k < n_rows; k++) {
-            const float x = q8_0_warp_row<Q8_QUANT_EARLY>(cond, m, k * a.rows + r, lane);
-            if (k == 0) v = x;
-            else up = x;
-        }
+    for (u32 k = 0; k < n_rows; k++) {
+        const float x = q8_0_warp_row<Q8_QUANT_EARLY>(cond, m, k * a.rows + r, lane);
+        if (k == 0) v = x;
+        else up = x;
     }
     if (a.mode == Q8_TAIL_SWIGLU) v = swiglu_clamped(v, up, a.clamp);
     if (lane == 0) vals[warp] = v;

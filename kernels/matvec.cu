@@ -631,55 +631,6 @@ __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a,
     return total;
 }
 
-#if !DS4_NATIVE_BLOCKS
-// A lane's 16-byte pieces of its warp's row that q8_0_staged_row loads at once (272 pieces of a
-// 4096-wide row over 32 lanes: 9).
-#define Q8_STAGE_PIECES 9
-// q8_0_warp_row with the whole row staged in shared memory before the wait (split layout; nb a
-// multiple of 8, so its quants then its scales are nb * 34 bytes of 16-byte pieces): every piece
-// is loaded before any is stored, so all of the row's bytes are in flight at once, and after the
-// wait no weight comes from memory. `sh`: the warp's nb * 34 bytes, 16-byte aligned. The same
-// terms in the same order as q8_0_warp_row: the same bits.
-__device__ __forceinline__ float q8_0_staged_row(u64 cond, const MatVecQ80Args& a, u32 r, u32 lane, u8* sh) {
-    const bool live = r < a.rows;
-    const u32 nb = a.in_dim / 32, n_q = nb * 2, n_pieces = n_q + nb / 8;
-    const int4* wq = (const int4*)(a.w + (u64)r * nb * 32);
-    const int4* ws = (const int4*)(a.w + (u64)a.rows * nb * 32 + (u64)r * nb * 2);
-    if (live) {
-        for (u32 i0 = 0; i0 < n_pieces; i0 += 32 * Q8_STAGE_PIECES) {
-            int4 v[Q8_STAGE_PIECES];
-#pragma unroll
-            for (u32 j = 0; j < Q8_STAGE_PIECES; j++) {
-                const u32 i = i0 + j * 32 + lane;
-                if (i < n_pieces) v[j] = ds4_wld(i < n_q ? wq + i : ws + (i - n_q));
-            }
-#pragma unroll
-            for (u32 j = 0; j < Q8_STAGE_PIECES; j++) {
-                const u32 i = i0 + j * 32 + lane;
-                if (i < n_pieces) ((int4*)sh)[i] = v[j];
-            }
-        }
-    }
-    ds4_wait_predecessor(cond);
-    if (!live) return 0.0f;
-    __syncwarp();
-    const u32 g = r / a.rows_per_group;
-    const int4* x4 = (const int4*)(a.xq + (u64)g * a.in_dim);
-    const float* dx = a.xd + (u64)g * nb;
-    const int4* q = (const int4*)sh;
-    const u16* sc = (const u16*)(sh + nb * 32);
-    float total = 0.0f;
-    for (u32 c = 0; c < nb; c += DS4_BLOCK_CHUNK) {
-        float acc = 0.0f;
-        const u32 b = c + lane;
-        if (b < nb) acc += q8_0_term(q[2 * b], q[2 * b + 1], sc[b], x4, dx, b);
-        total += warp_sum(acc);
-    }
-    if (lane == 0) a.out[r] = total;
-    return total;
-}
-#endif
-
 extern "C" __global__ void mat_vec_q8_0(DS4_ARGS, MatVecQ80Args a) {
     DS4_GUARD_EARLY;
     q8_0_warp_row(cond, a, blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), threadIdx.x & 31);

@@ -324,26 +324,6 @@ mod imp {
         Ok(())
     }
 
-    /// With `DS4_CUDA_Q8_QUANT=staged`, a decode `mat_vec_q8_0_quant` that only quantizes its rows
-    /// (wo_a's grouped projection on Flash) gets `in_dim * 34` bytes of dynamic shared memory: each
-    /// of its 32 warps loads its whole row there before the PDL wait (kernels/matvec.cu
-    /// q8_0_staged_row), where the register path holds only `Q8_QUANT_EARLY` of its chunks.
-    /// Split block layout only; rows of whole 8-block groups (16-byte pieces); where the device
-    /// gives a block that much (`max_smem`). Opt-in until measured.
-    fn q8_quant_staged(r: &mut Resolved, layout: BlockLayout, max_smem: u32) -> Result<(), BackendError> {
-        if r.kernel != "mat_vec_q8_0_quant" || layout != BlockLayout::Split || !env_is("DS4_CUDA_Q8_QUANT", "staged") {
-            return Ok(());
-        }
-        let a = bytemuck::try_pod_read_unaligned::<args::MatVecQ80TailArgs>(bytemuck::cast_slice(&r.args))
-            .map_err(|e| err(format!("{}: argument words: {e}", r.kernel)))?;
-        let bytes = a.in_dim.saturating_mul(34);
-        if a.mode == plan::Q8Tail::Quant as u32 && a.in_dim.is_multiple_of(256) && bytes <= max_smem {
-            r.smem = bytes;
-            opt_in_smem(r)?;
-        }
-        Ok(())
-    }
-
     /// The chunk build's F16 products for `F16_TOKENS` token rows per block row from one load of
     /// each weight chunk (kernels/matvec.cu: mat_mul_f16, mat_mul_f16_split), in place of the
     /// per-row launches of the kernel each replaces. `DS4_CUDA_F16_CHUNK=0` keeps those, to measure.
@@ -1258,12 +1238,6 @@ mod imp {
             let (major, minor) = ctx.compute_capability().map_err(drv("cannot read the compute capability"))?;
             let arch = format!("sm_{major}{minor}");
             let module = load_kernels(&ctx, &arch, layout, KernelRows::One)?;
-            let max_smem = ctx
-                .attribute(
-                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )
-                .map_err(drv("cannot read the device's attributes"))?
-                .max(0) as u32;
 
             // A mapped file under unified placement: its pages are registered and read in place,
             // no byte copied. Otherwise (a model held in a buffer, or a driver that cannot lock
@@ -1502,7 +1476,6 @@ mod imp {
                     let mut r = resolve(l, &p.ropes, &areas, &addrs, &mut funcs, Rows::Decode)?;
                     indexer_one(&mut r, &mut funcs)?;
                     hc_pre_smem(&mut r)?;
-                    q8_quant_staged(&mut r, layout, max_smem)?;
                     if traced && i < plan::TRACE_LAUNCHES {
                         r.cond |= (i as u64 + 1) << plan::TRACE_SHIFT;
                     }

@@ -45,8 +45,6 @@ body = body.replace("extern __shared__ __align__(16) u8 gut_smem[];", "static __
 body = body.replace(
     "extern __shared__ __align__(16) float hc_pre_smem[];", "static __align__(16) float hc_pre_smem[5 * HC_PRE_MAX_EMBD];"
 )
-# mat_vec_q8_0_quant's staged rows: 32 rows of up to 8192 (the widest row q8quant.cpp stages).
-body = body.replace("extern __shared__ __align__(16) u8 q8q_smem[];", "static __align__(16) u8 q8q_smem[8192 * 34];")
 # What ds4_dynamic_smem reads: the emulator's emu_dynamic_smem.
 assert body.count("    u32 bytes = 0;\n#if __CUDA_ARCH__") == 1, "common.cuh ds4_dynamic_smem changed"
 body = body.replace("    u32 bytes = 0;\n#if __CUDA_ARCH__", "    u32 bytes = emu_dynamic_smem;\n#if __CUDA_ARCH__")

@@ -1,11 +1,8 @@
 // Runs the decode build's grouped Q8_0 projection with its quantization inside (kernels/fused.cu
-// mat_vec_q8_0_quant in quant mode, as plan.rs fuses wo_a with wo_b's input) three ways in the
-// emulator on the same random weights and inputs: as two launches (mat_vec_q8_0, then
-// quantize_q8_0), as the fused launch holding its early chunks in registers (no dynamic shared
-// memory), and as the fused launch staging each row in shared memory (in_dim * 34 bytes: mod.rs
-// q8_quant_staged). Compares the projection, its Q8_0 quants and scales bit for bit. Shapes:
-// Flash's wo_a width (4096, 8 groups of rows), one chunk, a partial chunk, and a row wider than
-// one staging pass.
+// mat_vec_q8_0_quant in quant mode, as plan.rs fuses wo_a with wo_b's input) in the emulator
+// against the two launches it replaces (mat_vec_q8_0, then quantize_q8_0), on the same random
+// weights and inputs, and compares the projection, its Q8_0 quants and scales bit for bit.
+// Shapes: Flash's wo_a width (4096, 8 groups of rows), one chunk, a partial chunk, a wide row.
 #include "emu.h"
 #include "kern.inc"
 #include "host.h"
@@ -56,45 +53,31 @@ static int run(const Config& c) {
     q.x = two.out.data(), q.xq = two.xq.data(), q.xd = two.xd.data(), q.n = rows;
     emu_launch({(rows / 32 + 7) / 8, 1, 1}, 256, [&] { quantize_q8_0(P0, 0, R, q); });
 
-    auto fused = [&](Outs& o, u32 smem) {
-        MatVecQ80TailArgs t{};
-        t.w = w, t.xq = xq.data(), t.xd = xd.data(), t.out = o.out.data();
-        t.tail_xq = o.xq.data(), t.tail_xd = o.xd.data();
-        t.in_dim = c.in_dim, t.rows = rows, t.rows_per_group = per_group, t.mode = Q8_TAIL_QUANT;
-        emu_dynamic_smem = smem;
-        emu_launch({rows / 32, 1, 1}, 1024, [&] { mat_vec_q8_0_quant(P0, 0, R, t); });
-        emu_dynamic_smem = ~0u;
-    };
-    Outs regs(rows), staged(rows);
-    fused(regs, 0);
-    fused(staged, c.in_dim * 34);
+    Outs fused(rows);
+    MatVecQ80TailArgs t{};
+    t.w = w, t.xq = xq.data(), t.xd = xd.data(), t.out = fused.out.data();
+    t.tail_xq = fused.xq.data(), t.tail_xd = fused.xd.data();
+    t.in_dim = c.in_dim, t.rows = rows, t.rows_per_group = per_group, t.mode = Q8_TAIL_QUANT;
+    emu_launch({rows / 32, 1, 1}, 1024, [&] { mat_vec_q8_0_quant(P0, 0, R, t); });
 
     int bad = 0;
-    auto cmp = [&](const char* what, const Outs& o) {
-        int n = 0;
-        for (u32 i = 0; i < rows; i++)
-            if (memcmp(&o.out[i], &two.out[i], 4) || o.xq[i] != two.xq[i]) {
-                if (n < 5) printf("  %s row %u: %08x (q %d) against %08x (q %d)\n", what, i, bits_as<u32>(o.out[i]),
-                                  o.xq[i], bits_as<u32>(two.out[i]), two.xq[i]);
-                n++;
-            }
-        n += memcmp(o.xd.data(), two.xd.data(), o.xd.size() * 4) != 0;
-        bad += n;
-        return n ? "DIFFER" : "same bits";
-    };
-    const char* r1 = cmp("registers", regs);
-    const char* r2 = cmp("staged", staged);
+    for (u32 i = 0; i < rows; i++)
+        if (memcmp(&fused.out[i], &two.out[i], 4) || fused.xq[i] != two.xq[i]) {
+            if (bad < 5)
+                printf("  row %u: %08x (q %d) against %08x (q %d)\n", i, bits_as<u32>(fused.out[i]), fused.xq[i],
+                       bits_as<u32>(two.out[i]), two.xq[i]);
+            bad++;
+        }
+    bad += memcmp(fused.xd.data(), two.xd.data(), fused.xd.size() * 4) != 0;
     u32 nonzero = 0;
     for (u32 i = 0; i < rows; i++) nonzero += two.xq[i] != 0;
-    printf("Q8_0 %5u wide, %4u rows in %u groups: fused (registers) %s, fused (staged) %s, against two launches "
-           "(%u of %u quants nonzero)\n",
-           c.in_dim, rows, c.groups, r1, r2, nonzero, rows);
+    printf("Q8_0 %5u wide, %4u rows in %u groups: fused %s against two launches (%u of %u quants nonzero)\n", c.in_dim,
+           rows, c.groups, bad ? "DIFFER" : "same bits", nonzero, rows);
     return bad;
 }
 
 int main() {
-    // Flash's wo_a width in groups; one 32-block chunk; a partial last chunk; a row of two
-    // staging passes (more than 32 * Q8_STAGE_PIECES pieces).
+    // Flash's wo_a width in groups; one 32-block chunk; a partial last chunk; a wide row.
     const Config configs[] = {{4096, 256, 8}, {1024, 96, 3}, {2304, 64, 1}, {256, 32, 1}, {8192, 64, 2}};
     int bad = 0;
     for (const Config& c : configs) bad += run(c);
