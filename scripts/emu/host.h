@@ -22,6 +22,28 @@ struct RowBuf {
     u64 ptr() { return (u64)base(); }
 };
 
+// A random f16 (its bits): finite, normal, either sign, moderate (2^-7 .. 2^3); now and then +0
+// or -0.
+static unsigned short rand_half() {
+    const u32 r = rnd() % 32;
+    if (r == 0) return 0;
+    if (r == 1) return 0x8000;
+    return (unsigned short)(((rnd() & 1) << 15) | ((8 + rnd() % 11) << 10) | (rnd() & 1023));
+}
+
+// A random Q8_0 matrix of rows x nb blocks in the split layout (all quants, then their f16
+// scales), 256-byte aligned as device allocations are: row<u8>(0).
+static RowBuf q8_split_matrix(u32 rows, u32 nb) {
+    RowBuf m((size_t)rows * nb * 34, 1);
+    unsigned char* w = m.row<unsigned char>(0);
+    for (size_t i = 0; i < (size_t)rows * nb * 32; i++) w[i] = (unsigned char)(rnd() % 255 - 127);
+    for (size_t i = 0; i < (size_t)rows * nb; i++) {
+        const unsigned short h = rand_half();
+        memcpy(w + (size_t)rows * nb * 32 + 2 * i, &h, 2);
+    }
+    return m;
+}
+
 // Each pointer's byte stride from one row to the next, in the argument struct's field order.
 static RowStrides row_strides(std::initializer_list<u32> s) {
     RowStrides r{};

@@ -29,8 +29,8 @@ static void rand_q8k(BlockQ8K* x, u32 n) {
     }
 }
 
-static unsigned short rand_half() {
-    // Finite, normal, moderate: exponent 8..18 (2^-7 .. 2^3).
+static unsigned short rand_half_nonzero() {
+    // Finite, normal, moderate: exponent 8..18 (2^-7 .. 2^3); never 0 (host.h rand_half may be).
     return (unsigned short)(((rnd() & 1) << 15) | ((8 + rnd() % 11) << 10) | (rnd() & 1023));
 }
 
@@ -53,7 +53,7 @@ struct Experts {
             const u32 d_at = ty == 16 ? 0 : ty == 10 ? (native ? 80 : 16) : 0;
             const u32 nh = ty == 16 ? 1 : 2;
             for (u32 k = 0; k < nh; k++) {
-                const unsigned short h = rand_half();
+                const unsigned short h = rand_half_nonzero();
                 memcpy(rest + d_at + 2 * k, &h, 2);
             }
         }

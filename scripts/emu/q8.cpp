@@ -10,25 +10,6 @@
 #include "kern.inc"
 #include "host.h"
 
-static unsigned short rand_half() {
-    // Finite, normal, either sign, moderate (2^-7 .. 2^3); now and then +0 or -0.
-    const u32 r = rnd() % 32;
-    if (r == 0) return 0;
-    if (r == 1) return 0x8000;
-    return (unsigned short)(((rnd() & 1) << 15) | ((8 + rnd() % 11) << 10) | (rnd() & 1023));
-}
-
-// A Q8_0 matrix in the split layout: rows x nb blocks of 32 quants, then their f16 scales.
-static std::vector<unsigned char> q8_matrix(u32 rows, u32 nb) {
-    std::vector<unsigned char> m((size_t)rows * nb * 34 + 256);
-    for (size_t i = 0; i < (size_t)rows * nb * 32; i++) m[i] = (unsigned char)(rnd() % 255 - 127);
-    for (size_t i = 0; i < (size_t)rows * nb; i++) {
-        const unsigned short h = rand_half();
-        memcpy(&m[(size_t)rows * nb * 32 + 2 * i], &h, 2);
-    }
-    return m;
-}
-
 struct Config {
     const char* what;
     u32 in_dim, rows, rows2, groups, tokens, ratio;
@@ -55,20 +36,15 @@ static int run(const Config& c) {
             for (u32 i = 0; i < 32; i++) XQ.row<i8>(y)[b * 32 + i] = zero ? 0 : (i8)(int)(rnd() % 255 - 127);
             XD.row<float>(y)[b] = zero ? 0.0f : frand(1e-3f, 3e-2f);
         }
-    std::vector<unsigned char> W = q8_matrix(c.rows, nb), W2 = q8_matrix(c.rows2 ? c.rows2 : 1, nb);
-    auto aligned = [](std::vector<unsigned char>& v) { return (const u8*)(((uintptr_t)v.data() + 255) & ~(uintptr_t)255); };
-    // Re-place the matrices at 256-byte alignment (as device allocations are).
-    std::vector<unsigned char> Wa(W.size() + 256), W2a(W2.size() + 256);
-    memcpy((void*)aligned(Wa), W.data(), W.size());
-    memcpy((void*)aligned(W2a), W2.data(), W2.size());
+    RowBuf W = q8_split_matrix(c.rows, nb), W2 = q8_split_matrix(c.rows2 ? c.rows2 : 1, nb);
 
     auto launch = [&](int kind, RowBuf& out, RowBuf& out2) {
         MatVecQ80Args a{};
-        a.w = aligned(Wa);
+        a.w = W.row<u8>(0);
         a.xq = (const i8*)XQ.ptr();
         a.xd = (const float*)XD.ptr();
         a.out = (float*)out.ptr();
-        a.w2 = c.rows2 ? aligned(W2a) : nullptr;
+        a.w2 = c.rows2 ? W2.row<u8>(0) : nullptr;
         a.out2 = c.rows2 ? (float*)out2.ptr() : nullptr;
         a.in_dim = c.in_dim;
         a.rows = c.rows;

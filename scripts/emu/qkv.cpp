@@ -7,28 +7,14 @@
 #include "kern.inc"
 #include "host.h"
 
-static unsigned short rand_half() {
-    // Finite, normal, either sign, moderate (2^-7 .. 2^3); now and then +0 or -0.
-    const u32 r = rnd() % 32;
-    if (r == 0) return 0;
-    if (r == 1) return 0x8000;
-    return (unsigned short)(((rnd() & 1) << 15) | ((8 + rnd() % 11) << 10) | (rnd() & 1023));
-}
-
 struct Config {
     u32 n_head, head_dim, n_rot, in_dim, raw_cap, pos;
 };
 
 static int run(const Config& c) {
     const u32 nh = c.n_head, hd = c.head_dim, nb = c.in_dim / 32, rows = nh * hd, pairs = c.n_rot / 2;
-    // The Q8_0 matrix in the split layout (quants, then the f16 scales), 256-byte aligned.
-    std::vector<unsigned char> wmem((size_t)rows * nb * 34 + 512);
-    u8* w = (u8*)(((uintptr_t)wmem.data() + 255) & ~(uintptr_t)255);
-    for (size_t i = 0; i < (size_t)rows * nb * 32; i++) w[i] = (unsigned char)(rnd() % 255 - 127);
-    for (size_t i = 0; i < (size_t)rows * nb; i++) {
-        const unsigned short h = rand_half();
-        memcpy(w + (size_t)rows * nb * 32 + 2 * i, &h, 2);
-    }
+    RowBuf wm = q8_split_matrix(rows, nb);
+    const u8* w = wm.row<u8>(0);
     std::vector<i8> xq(c.in_dim);
     std::vector<float> xd(nb);
     for (auto& v : xq) v = (i8)(int)(rnd() % 255 - 127);
