@@ -1748,9 +1748,10 @@ impl<'a> Builder<'a> {
                 self.launch(blocks(out_dim.div_ceil(2), 8), 256, a);
                 // Q2_K rows of one pass (8 blocks) may take a kernel of their own that loads a
                 // slot pair ahead (kernels/moe.cu `moe_down_q2_k`, `DS4_CUDA_MOE_DOWN=q2k`): exact
-                // and 0.7% faster on flash-4l, but off until gpu-check's placement_unified, which
-                // failed on the build that had it (with attention_combine's early trigger) on, is
-                // run with each apart (BENCHMARKS, thirty-sixth session).
+                // and 0.7% faster on flash-4l, but off while gpu-check's placement_unified failure
+                // on the build that had it (with attention_combine's early trigger) on stays
+                // unexplained: it did not recur in the runs since (BENCHMARKS, 36th and 37th
+                // sessions), and a loop of unified runs is to rule out a rare race.
                 if down_ty == GgmlType::Q2_K as u32
                     && ff.is_multiple_of(256)
                     && ff / 256 <= 8
