@@ -1707,11 +1707,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_SUM_THREADS) attention_partial
 // wait, they had ~3 us for it (the combine is short) and the launch took ~15 us on the H100
 // against ~10 for the same bytes in the matvec after it, which had ~7 us (DS4_CUDA_TRACE).
 // The successor still waits for this kernel to complete before it reads anything it wrote.
-// Measured +0.5% on flash-4l (H100) and exact there, but off (0) while gpu-check's
-// placement_unified failure on the build that had it and moe_down_q2_k on stays unexplained (not
-// recurred since: BENCHMARKS, 36th and 37th sessions). DS4_CUDA_DEFINES=ATTN_COMBINE_EARLY_TRIGGER=1.
+// Measured +0.5% on flash-4l (H100) and exact there; gpu-check's placement_unified, which failed
+// once on a build with this and moe_down_q2_k, passed every run since, a loop of unified runs
+// among them (BENCHMARKS, 36th to 38th sessions). DS4_CUDA_DEFINES=ATTN_COMBINE_EARLY_TRIGGER=0.
 #ifndef ATTN_COMBINE_EARLY_TRIGGER
-#define ATTN_COMBINE_EARLY_TRIGGER 0
+#define ATTN_COMBINE_EARLY_TRIGGER 1
 #endif
 
 // A block per head, a thread per dim (blockDim >= head_dim): the chunks' sums in order, the

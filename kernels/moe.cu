@@ -844,7 +844,8 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 // that (so not with DS4_PDL_TRIGGER, which lets it start earlier). moe_down took ~15 us on the
 // critical path for 16.6 MB, a pair's loads at a time (this one 13.4, H100). Each slot's integer
 // sums and row_total are moe_down_rows' and the slots add in the same order: the same bits.
-// Opt-in for now (plan.rs, `DS4_CUDA_MOE_DOWN=q2k`): see BENCHMARKS, thirty-sixth session.
+// The default for such rows (plan.rs; `DS4_CUDA_MOE_DOWN=rows` keeps moe_down): BENCHMARKS, 36th
+// to 38th sessions.
 #ifndef MOE_DOWN_MIN_BLOCKS
 #define MOE_DOWN_MIN_BLOCKS 2
 #endif
