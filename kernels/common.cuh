@@ -53,6 +53,15 @@ template <class T> __device__ __forceinline__ T ds4_wld(const T* p) {
 #endif
 }
 
+// Asks L2 for the line holding p and goes on (no register, nothing to wait for); EVICT_LAST marks
+// the line to be kept over normal ones. A hint only: what any load then reads is unchanged.
+template <bool EVICT_LAST = false> __device__ __forceinline__ void ds4_prefetch_l2(const void* p) {
+#if __CUDA_ARCH__ >= 800
+    if (EVICT_LAST) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+    else asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // 16 (4) bytes from global to shared memory without passing through registers; cp_async_wait
 // waits for all of this thread's copies. (scripts/emu/gen.py maps these asm lines.)
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {

@@ -792,17 +792,25 @@ extern "C" __global__ void router(DS4_ARGS, RouterArgs a) {
 #ifndef Q8_QUANT_EARLY
 #define Q8_QUANT_EARLY 2
 #endif
+// In quant mode (wo_a on Flash: 8192 rows, 256 blocks of 1024 threads at one a block an SM, so two
+// waves), block b asks L2 for the rows of block b + half the grid before its wait (q8_0_warp_row's
+// PREFETCH: 1 or 2), so that the second wave finds its weights there. 0: none.
+#ifndef Q8_QUANT_PREFETCH
+#define Q8_QUANT_PREFETCH 0
+#endif
 extern "C" __global__ void __launch_bounds__(1024, 1) mat_vec_q8_0_quant(DS4_ARGS, MatVecQ80TailArgs a) {
     DS4_GUARD_EARLY;
     const MatVecQ80Args m = {a.w, a.xq, a.xd, a.out, a.w2, a.out2, a.in_dim, a.rows, a.rows_per_group, a.rows2};
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 32 + warp;
     __shared__ float vals[32];
+    const u32 half = (gridDim.x + 1) / 2;
+    const u32 ahead = a.mode == Q8_TAIL_QUANT && blockIdx.x + half < gridDim.x ? (blockIdx.x + half) * 32 + warp : ~0u;
     // The warp's row, then (swiglu) its row of the second matrix: one copy of the row's code.
     float v = 0.0f, up = 0.0f;
     const u32 n_rows = a.mode == Q8_TAIL_SWIGLU ? 2 : 1;
 #pragma unroll 1
     for (u32 k = 0; k < n_rows; k++) {
-        const float x = q8_0_warp_row<Q8_QUANT_EARLY>(cond, m, k * a.rows + r, lane);
+        const float x = q8_0_warp_row<Q8_QUANT_EARLY, Q8_QUANT_PREFETCH>(cond, m, k * a.rows + r, lane, ahead);
         if (k == 0) v = x;
         else up = x;
     }

@@ -586,8 +586,11 @@ extern "C" __global__ void __launch_bounds__(Q8T_THREADS, Q8T_MIN_BLOCKS) mat_mu
 // Row rr of the launch (the first matrix's rows, then the second's) by one warp: its weights'
 // first chunks loaded, then the wait for the previous kernel, then the sums; lane 0 stores it.
 // Returns the row's value in every lane (0 past the rows).
-template <u32 EARLY = Q8_EARLY_CHUNKS>
-__device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a, u32 rr, u32 lane) {
+// Before the wait, the warp may also ask L2 for another row of the first matrix (`ahead`, ~0u: none)
+// that a block of a later wave will read: the bus is idle while the launch waits on a latency
+// chain. PREFETCH 1: prefetch.global.L2, 2: with evict_last. Hints only: the same bits.
+template <u32 EARLY = Q8_EARLY_CHUNKS, u32 PREFETCH = 0>
+__device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a, u32 rr, u32 lane, u32 ahead = ~0u) {
     const bool second = rr >= a.rows;
     const u32 r = second ? rr - a.rows : rr, rows = second ? a.rows2 : a.rows;
     const u8* w = second ? a.w2 : a.w;
@@ -601,6 +604,16 @@ __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a,
         const u32 b = u * DS4_BLOCK_CHUNK + lane;
         if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
+#if !DS4_NATIVE_BLOCKS
+    if (PREFETCH && ahead < a.rows) {
+        // Its quants (nb * 32 bytes), then its scales (nb * 2), a 128-byte line per lane and step;
+        // the span's last byte too, for scales that do not start on a line.
+        const u8* q = a.w + (u64)ahead * nb * 32;
+        for (u32 o = lane * 128; o < nb * 32; o += 32 * 128) ds4_prefetch_l2<PREFETCH == 2>(q + o);
+        const u8* sc = a.w + (u64)a.rows * nb * 32 + (u64)ahead * nb * 2;
+        for (u32 o = lane * 128; o < nb * 2 + 128; o += 32 * 128) ds4_prefetch_l2<PREFETCH == 2>(sc + min(o, nb * 2 - 1));
+    }
+#endif
     ds4_wait_predecessor(cond);
     if (!live) return 0.0f;
     const u32 g = second ? 0 : r / a.rows_per_group;

@@ -849,6 +849,12 @@ extern "C" __global__ void moe_down(DS4_ARGS, MoeDownArgs a) {
 #ifndef MOE_DOWN_MIN_BLOCKS
 #define MOE_DOWN_MIN_BLOCKS 2
 #endif
+// Whether each warp also asks L2 for its rows of the slots after the first pair before the PDL
+// wait (1: prefetch.global.L2, 2: with evict_last; 0: none): its blocks become resident while
+// gate/up's last blocks run, which leave the bus mostly idle. Hints only: the same bits.
+#ifndef MOE_DOWN_PREFETCH
+#define MOE_DOWN_PREFETCH 0
+#endif
 struct DownPair {
     WeightPart w[2 * MOE_ROWS_PER_WARP];
     u32 first[2 * MOE_ROWS_PER_WARP];
@@ -888,6 +894,23 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down_
     const bool live = r0 < a.out_dim;
 #if !DS4_PDL_TRIGGER
     if (live) load_pair(0, &cur);
+#if MOE_DOWN_PREFETCH
+    // Every (slot, row) past the first pair: its quants (nb * QS bytes) and rests (nb * RS), a
+    // 128-byte line per lane and step, the span's last byte too.
+    for (u32 s = 2; live && s < a.n_used; s++) {
+        const u64 e = (u64)min(max(__ldcg(a.selected + s), 0), (int)a.n_expert - 1);
+        const u8* qs0 = (const u8*)__ldcg(a.down + 2 * e);
+        const u8* rest0 = (const u8*)__ldcg(a.down + 2 * e + 1);
+        for (int k = 0; k < RW; k++) {
+            if (r0 + k >= a.out_dim) break;
+            const ExpertRow r = expert_row_at(qs0, rest0, 10, (u64)(r0 + k) * nb);
+            for (u32 o = lane * 128; o < nb * Lay::QS + 128; o += 32 * 128)
+                ds4_prefetch_l2<MOE_DOWN_PREFETCH == 2>(r.qs + min(o, nb * Lay::QS - 1));
+            for (u32 o = lane * 128; o < nb * Lay::RS + 128; o += 32 * 128)
+                ds4_prefetch_l2<MOE_DOWN_PREFETCH == 2>(r.rest + min(o, nb * Lay::RS - 1));
+        }
+    }
+#endif
 #endif
     ds4_wait_predecessor(cond);
     if (!live) return;
@@ -1615,11 +1638,6 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MMA_MIN_BLOCKS) moe_down_m
 __device__ __forceinline__ uint2 moe2_scales8(const u8* p) {
     return make_uint2(__ldg((const u32*)p), __ldg((const u32*)(p + 4)));
 }
-__device__ __forceinline__ void moe2_prefetch_l2(const void* p) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
 
 // x rotated right by n (0..31).
 __device__ __forceinline__ u32 moe2_rotr(u32 x, u32 n) {
@@ -1883,7 +1901,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
         gut_stage(x0, x1, 0, gut_smem + GUT_ACT_OFF, (float*)(gut_smem + GUT_ACTD_OFF));
         u32 Lp = 0;
         for (u32 k = 0; k < MOE2_L2_AHEAD; k++) {
-            if (t < 2 && Lp < end) moe2_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
+            if (t < 2 && Lp < end) ds4_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
             Lp = Lp < end ? gut_next(Lp, step, nb, end) : end;
         }
         int4 qg = __ldg((const int4*)(gate.qs + 16 * t)), qu = __ldg((const int4*)(up.qs + 16 * t));
@@ -1919,7 +1937,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tile_iq2_xxs(DS
                 hu = __ldg((const u16*)up.rest + bn);
             }
             if (Lp < end) {
-                if (t < 2) moe2_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
+                if (t < 2) ds4_prefetch_l2(pf + (u64)gut_leaf_block(Lp) * 64);
                 Lp = gut_next(Lp, step, nb, end);
             }
             // The pass's tile count as a constant of the code (uniform).
@@ -2153,7 +2171,7 @@ __device__ __forceinline__ void tile_step(const ExpertRow& wa, const ExpertRow& 
     const u32 Ln2 = *Ln < lv.end ? tile_next_leaf(*Ln, lv) : lv.end;
     if (live) {
         if (*Ln < lv.end) nxt = tile_weights(wa, wb, tile_leaf_block(*Ln));
-        if ((threadIdx.x & 3) < 2 && Ln2 < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln2) * 64);
+        if ((threadIdx.x & 3) < 2 && Ln2 < lv.end) ds4_prefetch_l2(pf + (u64)tile_leaf_block(Ln2) * 64);
         tile_leaf<MOE_TILE_T, LO>(tiles, cur, xs, xd, *L, lv.nb, pend, total);
     }
     *L = *Ln;
@@ -2186,7 +2204,7 @@ __device__ __forceinline__ void moe_down_tile_body(const RowStrides& R, const Mo
         TileWeights w0 = {};
         if (live) {
             w0 = tile_weights(wa, wb, 0);
-            if (t < 2 && Ln < lv.end) moe2_prefetch_l2(pf + (u64)tile_leaf_block(Ln) * 64);
+            if (t < 2 && Ln < lv.end) ds4_prefetch_l2(pf + (u64)tile_leaf_block(Ln) * 64);
         }
         float total[4 * MOE_TILE_T], pend[5][4 * MOE_TILE_T];
 #pragma unroll
