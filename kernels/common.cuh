@@ -61,6 +61,11 @@ template <bool EVICT_LAST = false> __device__ __forceinline__ void ds4_prefetch_
     else asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif
 }
+// Every line of the n > 0 bytes at p, by the warp's lanes a 128-byte line each in turn; the span's
+// last byte too, for spans that do not start on a line.
+template <bool EVICT_LAST = false> __device__ __forceinline__ void ds4_prefetch_span_l2(const u8* p, u32 n, u32 lane) {
+    for (u32 o = lane * 128; o < n + 128; o += 32 * 128) ds4_prefetch_l2<EVICT_LAST>(p + min(o, n - 1));
+}
 
 // 16 (4) bytes from global to shared memory without passing through registers; cp_async_wait
 // waits for all of this thread's copies. (scripts/emu/gen.py maps these asm lines.)

@@ -605,13 +605,9 @@ __device__ __forceinline__ float q8_0_warp_row(u64 cond, const MatVecQ80Args& a,
         if (live && b < nb) q8_0_load(w, rows, nb, r, b, &w0[u], &w1[u], &s[u]);
     }
 #if !DS4_NATIVE_BLOCKS
-    if (PREFETCH && ahead < a.rows) {
-        // Its quants (nb * 32 bytes), then its scales (nb * 2), a 128-byte line per lane and step;
-        // the span's last byte too, for scales that do not start on a line.
-        const u8* q = a.w + (u64)ahead * nb * 32;
-        for (u32 o = lane * 128; o < nb * 32; o += 32 * 128) ds4_prefetch_l2<PREFETCH == 2>(q + o);
-        const u8* sc = a.w + (u64)a.rows * nb * 32 + (u64)ahead * nb * 2;
-        for (u32 o = lane * 128; o < nb * 2 + 128; o += 32 * 128) ds4_prefetch_l2<PREFETCH == 2>(sc + min(o, nb * 2 - 1));
+    if (PREFETCH && ahead < a.rows) {  // its quants, then its scales
+        ds4_prefetch_span_l2<PREFETCH == 2>(a.w + (u64)ahead * nb * 32, nb * 32, lane);
+        ds4_prefetch_span_l2<PREFETCH == 2>(a.w + (u64)a.rows * nb * 32 + (u64)ahead * nb * 2, nb * 2, lane);
     }
 #endif
     ds4_wait_predecessor(cond);

@@ -895,8 +895,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down_
 #if !DS4_PDL_TRIGGER
     if (live) load_pair(0, &cur);
 #if MOE_DOWN_PREFETCH
-    // Every (slot, row) past the first pair: its quants (nb * QS bytes) and rests (nb * RS), a
-    // 128-byte line per lane and step, the span's last byte too.
+    // Every (slot, row) past the first pair: its quants (nb * QS bytes) and rests (nb * RS).
     for (u32 s = 2; live && s < a.n_used; s++) {
         const u64 e = (u64)min(max(__ldcg(a.selected + s), 0), (int)a.n_expert - 1);
         const u8* qs0 = (const u8*)__ldcg(a.down + 2 * e);
@@ -904,10 +903,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_MIN_BLOCKS) moe_down_
         for (int k = 0; k < RW; k++) {
             if (r0 + k >= a.out_dim) break;
             const ExpertRow r = expert_row_at(qs0, rest0, 10, (u64)(r0 + k) * nb);
-            for (u32 o = lane * 128; o < nb * Lay::QS + 128; o += 32 * 128)
-                ds4_prefetch_l2<MOE_DOWN_PREFETCH == 2>(r.qs + min(o, nb * Lay::QS - 1));
-            for (u32 o = lane * 128; o < nb * Lay::RS + 128; o += 32 * 128)
-                ds4_prefetch_l2<MOE_DOWN_PREFETCH == 2>(r.rest + min(o, nb * Lay::RS - 1));
+            ds4_prefetch_span_l2<MOE_DOWN_PREFETCH == 2>(r.qs, nb * Lay::QS, lane);
+            ds4_prefetch_span_l2<MOE_DOWN_PREFETCH == 2>(r.rest, nb * Lay::RS, lane);
         }
     }
 #endif
